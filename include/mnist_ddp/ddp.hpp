@@ -1,0 +1,107 @@
+// DistributedDataParallel: replicas that stay identical because every rank
+// applies the same averaged gradients.
+//
+// At construction, rank 0's parameters and buffers are broadcast to all
+// ranks and the parameters are grouped into buckets (reverse registration
+// order, fixed once: compute_bucket_assignment). Each parameter's .grad is a
+// view into its bucket's flat buffer, so no gradient is ever copied.
+//
+// During backward, a hook on each parameter's gradient accumulator marks it
+// ready; a bucket whose gradients are all ready is handed to the
+// communication thread at once, so its communication overlaps the rest of
+// backward. When backward ends, DDP waits for every bucket, and the optimizer
+// then sees averaged gradients.
+//
+// Note on order: buckets are launched strictly in index order, and the
+// communication thread runs one hook at a time. Gloo and NCCL match
+// collectives across ranks by the order in which they are issued, so every
+// rank must issue the same collectives in the same order; a hook like
+// PowerSGD issues several per bucket. DDP also talks on a process group of
+// its own, so SyncBatchNorm's backward collectives (issued by autograd on
+// another thread) can never interleave with a hook's.
+#pragma once
+
+#include <torch/torch.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "mnist_ddp/comm_hooks.hpp"
+#include "mnist_ddp/dist.hpp"
+
+namespace mnist_ddp {
+
+// Groups tensors, given in bucket order with their sizes in bytes, into
+// buckets of consecutive tensors: a bucket closes once it holds at least its
+// cap, which is `first_cap_bytes` for the first bucket and `cap_bytes` after.
+// Returns the tensor indices of each bucket.
+std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<int64_t>& sizes_bytes,
+                                                           int64_t first_cap_bytes, int64_t cap_bytes);
+
+constexpr int64_t kFirstBucketCapBytes = 1024 * 1024;  // as PyTorch: the first bucket launches early
+
+class DistributedDataParallelImpl : public torch::nn::Module {
+ public:
+  // `module` is registered as "module", so state_dict names read
+  // "module.conv1.weight" as in the reference. Blocks until every rank has
+  // constructed its DDP (the broadcast). All parameters must be float tensors
+  // on dist.device.
+  DistributedDataParallelImpl(torch::nn::AnyModule module, const Dist& dist, std::unique_ptr<CommHook> hook,
+                              double bucket_cap_mb);
+  ~DistributedDataParallelImpl() override;
+
+  // Runs the module; in training mode with grad enabled, also readies the
+  // gradient synchronisation of the next backward.
+  torch::Tensor forward(torch::Tensor input);
+
+  std::shared_ptr<torch::nn::Module> module() const { return module_.ptr(); }
+  CommHook& hook() { return *hook_; }
+  const GroupWire& wire() const { return *wire_; }
+  // One line per bucket: index, parameters, elements, bytes.
+  std::vector<std::string> describe_buckets() const;
+  const std::vector<GradBucket>& buckets() const { return buckets_; }
+
+ private:
+  void link_grad(size_t param);
+  void mark_ready(size_t param);
+  void finalize_backward();
+  void communicate();  // the communication thread's loop
+
+  torch::nn::AnyModule module_;
+  std::unique_ptr<CommHook> hook_;
+  std::unique_ptr<GroupWire> wire_;
+  torch::Device device_;
+  std::vector<torch::Tensor> params_;        // registration order
+  std::vector<std::string> param_names_;
+  std::vector<size_t> bucket_of_;            // param -> bucket
+  std::vector<torch::Tensor> grad_views_;    // param -> view into its bucket
+  std::vector<GradBucket> buckets_;
+  // Keeps the accumulators (and so our hooks on them) alive: autograd holds
+  // them only weakly.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+
+  // Per-backward state, guarded by mutex_.
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool expecting_backward_ = false;
+  bool callback_queued_ = false;
+  std::vector<int> pending_;       // bucket -> gradients not yet ready
+  std::vector<bool> ready_;        // param -> its gradient is ready
+  size_t next_launch_ = 0;         // buckets [0, next_launch_) are launched
+  size_t completed_ = 0;           // buckets whose hook has finished
+  std::deque<size_t> queue_;       // launched, waiting for the communication thread
+  std::exception_ptr error_;
+  bool stopping_ = false;
+  std::thread comm_thread_;
+};
+TORCH_MODULE(DistributedDataParallel);
+
+}  // namespace mnist_ddp

@@ -1,0 +1,59 @@
+// The launcher: the parent process that starts and supervises the workers.
+//
+// A worker is this same binary, exec'ed with the environment torchrun would
+// give it (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+// MASTER_PORT). So a worker started by us and one started by an external
+// launcher run the same code, and the launcher itself never initialises CUDA,
+// thread pools or LibTorch state before it forks.
+//
+// Supervision: SIGINT/SIGTERM/SIGHUP to the launcher print the reference's
+// "KeyboardInterrupt received. Terminating processes..." and stop every
+// worker (SIGTERM, then SIGKILL after a grace period); a worker that fails
+// stops the others; workers get SIGKILL when the launcher dies
+// (PR_SET_PDEATHSIG). Every worker is reaped before the launcher returns.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mnist_ddp/options.hpp"
+
+namespace mnist_ddp {
+
+// Where the local workers run.
+struct Placement {
+  std::string backend;       // "nccl" or "gloo"
+  std::vector<int> devices;  // CUDA ids, one per local worker (NCCL); empty for Gloo
+  int local_workers = 0;
+};
+
+// Resolves --backend, --gpus and --nproc without initialising CUDA.
+// Throws UsageError for a device that does not exist or NCCL without CUDA.
+Placement plan_placement(const Options& opts);
+
+// A worker's place in the job, as read from its environment.
+struct WorkerEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr;
+  int master_port = 0;
+  // Set by our launcher on rank 0 when --master-port is 0: rank 0 binds a free
+  // port and writes its number to this file descriptor.
+  int port_report_fd = -1;
+};
+
+// The worker identity when this process was started as a worker (by our
+// launcher or an external one); nullopt when it should be the launcher.
+// Throws UsageError for a malformed environment.
+std::optional<WorkerEnv> worker_env_from_environment();
+
+// Runs the launcher: starts the workers, supervises them, reaps them.
+// Returns the process exit code: 0 on success, the failed worker's exit code
+// (128 + signal when it was killed), 128 + signal when the launcher was
+// interrupted, 1 for its own errors.
+int run_launcher(const Options& opts, const Placement& placement, const std::vector<std::string>& argv);
+
+}  // namespace mnist_ddp

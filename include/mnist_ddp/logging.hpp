@@ -1,0 +1,20 @@
+// Logging in the reference's format, "MM/DD HH:MM:SS AM | message".
+//
+// After init_logging() the spdlog default logger is set up for this process:
+// rank 0 writes everything to the console (stderr, as Python's StreamHandler
+// does) and to <dir>/mnist_train.log; other ranks write only warnings and
+// errors, to the console, prefixed with "[rank N]". Code logs with
+// spdlog::info/warn/error and never asks which rank it is on.
+#pragma once
+
+#include <string>
+
+namespace mnist_ddp {
+
+// Throws std::runtime_error naming the file when the log file cannot be opened.
+void init_logging(const std::string& dir, int rank);
+
+// Whether init_logging() has run in this process.
+bool logging_ready();
+
+}  // namespace mnist_ddp

@@ -1,0 +1,65 @@
+// Command-line options of mnist_ddp: one struct, every field with its default.
+//
+// The first block keeps the Python reference's flags and defaults, so that its
+// users' command lines work unchanged. parse_options() validates every value;
+// a bad one is a UsageError (one line naming the flag, exit code 2).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace mnist_ddp {
+
+inline const std::vector<std::string> kCompressions = {
+    "none", "fp16", "powersgd", "powersgd_fp16", "batched_powersgd_fp16"};
+
+struct Options {
+  // --- The reference's flags. ---
+  int batch_size = 32;        // training images per process and step
+  int test_batch_size = 256;  // evaluation images per process and batch
+  int epochs = 20;            // passes over the training set
+  double lr = 0.01;           // initial learning rate, cosine-annealed to 0 over `epochs`
+  double momentum = 0.9;      // SGD momentum
+  double weight_decay = 5e-4; // SGD L2 penalty
+  int workers = 4;            // accepted for compatibility: batches are sliced from memory
+  std::string compression = "powersgd_fp16";  // one of kCompressions
+  int log_interval = 10;      // batches between two "Train Epoch" lines
+  std::string path = "./logging/";  // log file, best model and checkpoints
+
+  // --- Placement and rendezvous. ---
+  std::vector<int> gpus;      // CUDA device ids, one worker each; empty: all visible
+  std::string backend = "auto";   // auto | nccl | gloo
+  int nproc = 2;              // worker processes when training on CPU
+  std::string master_addr = "127.0.0.1";  // host of the rank-0 store
+  int master_port = 0;        // 0: rank 0 picks a free port (single node only)
+  double timeout = 300;       // seconds a rendezvous or collective may wait
+
+  // --- Data and run length. ---
+  std::string data_dir = "./data";  // holds MNIST/raw or FashionMNIST/raw
+  std::string dataset = "mnist";    // mnist | fashion-mnist
+  std::uint64_t seed = 0;     // model init, data order and dropout
+  std::int64_t max_steps = 0; // stop after this many training steps in total; 0: no limit
+
+  // --- DistributedDataParallel. ---
+  double bucket_cap_mb = 25;  // gradient bucket size (the first bucket is capped at 1 MB)
+
+  // Every option as (name, value) in --help order, names spelled as the
+  // reference's argparse attributes (batch_size, log_interval, ...). Logged at
+  // start and used to compare settings across processes.
+  std::vector<std::pair<std::string, std::string>> arguments;
+};
+
+// A bad command line. what() is a single line that names the flag.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Parses and validates argv. Returns nullopt when --help was printed.
+// Throws UsageError for anything the user must fix.
+std::optional<Options> parse_options(int argc, const char* const* argv);
+
+}  // namespace mnist_ddp

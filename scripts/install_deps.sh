@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs, from Debian's archive, everything mnist_ddp needs to build, test
+# and fetch its data. Installs only what is missing; safe to run again.
+set -euo pipefail
+
+packages=(
+  g++ cmake ninja-build pkg-config
+  libtorch-dev libgloo-dev        # LibTorch 1.13 (CPU) with c10d; Gloo's headers
+  libcli11-dev libspdlog-dev libfmt-dev libgtest-dev zlib1g-dev
+  python3 curl ca-certificates    # scripts/fetch_data.sh
+)
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -eq 0 ]; then
+  echo "install_deps: all ${#packages[@]} packages are installed"
+  exit 0
+fi
+echo "install_deps: installing ${missing[*]}"
+as_root apt-get update -qq
+as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "install_deps: done"

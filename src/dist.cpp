@@ -1,0 +1,165 @@
+#include "mnist_ddp/dist.hpp"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef MNIST_DDP_WITH_CUDA
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <stdexcept>
+
+namespace mnist_ddp {
+namespace {
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+std::string error_text(const std::exception& e) {
+  if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) return first_line(c10e->what_without_backtrace());
+  return first_line(e.what());
+}
+
+// The local address that packets to `host` leave from: Gloo listens there, so
+// peers on other machines can reach it. Loopback for a single-node job.
+std::string local_address_towards(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || !res)
+    throw std::runtime_error("cannot resolve --master-addr " + host);
+  std::string address = "127.0.0.1";
+  const int fd = socket(AF_INET, SOCK_DGRAM, 0);
+  if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+    sockaddr_in local{};
+    socklen_t len = sizeof local;
+    char text[INET_ADDRSTRLEN];
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+        inet_ntop(AF_INET, &local.sin_addr, text, sizeof text))
+      address = text;
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(res);
+  return address;
+}
+
+GroupPtr create_group(const StorePtr& store, const std::string& backend, int rank, int world_size,
+                      const std::string& gloo_address, std::chrono::milliseconds timeout) {
+  if (backend == "nccl") {
+#ifdef MNIST_DDP_WITH_CUDA
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world_size, options);
+#else
+    throw std::runtime_error("this mnist_ddp was built without CUDA; NCCL is not available");
+#endif
+  }
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(gloo_address));
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, options);
+}
+
+}  // namespace
+
+GroupPtr Dist::new_group(const std::string& name) const {
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
+  try {
+    return create_group(prefixed, backend, rank, world_size, gloo_address, timeout);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("rank " + std::to_string(rank) + ": could not form the process group with all " +
+                             std::to_string(world_size) + " ranks within " + std::to_string(timeout.count() / 1000) +
+                             " s (" + error_text(e) + ")");
+  }
+}
+
+Dist make_dist(StorePtr store, int rank, int world_size, const std::string& backend, torch::Device device,
+               std::chrono::milliseconds timeout) {
+  Dist d;
+  d.rank = rank;
+  d.world_size = world_size;
+  d.backend = backend;
+  d.device = device;
+  d.timeout = timeout;
+  d.store = std::move(store);
+  d.group = d.new_group("main");
+  return d;
+}
+
+Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_seconds) {
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+  torch::Device device = torch::kCPU;
+  if (placement.backend == "nccl") {
+    const int index = placement.devices.at(env.local_rank);
+    if (index >= static_cast<int>(torch::cuda::device_count()))
+      throw std::runtime_error("CUDA device " + std::to_string(index) + " does not exist (" +
+                               std::to_string(torch::cuda::device_count()) + " visible)");
+    device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+    use_device(device);
+  }
+
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<std::uint16_t>(env.master_port);
+  so.isServer = env.rank == 0;
+  so.numWorkers = env.world_size;
+  so.waitWorkers = false;  // the first group's rendezvous waits for everyone
+  so.timeout = timeout;
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+  } catch (const std::exception& e) {
+    const std::string why = error_text(e);
+    if (env.rank == 0) {
+      if (why.find("Address already in use") != std::string::npos || why.find("errno: 98") != std::string::npos)
+        throw std::runtime_error("--master-port " + std::to_string(env.master_port) +
+                                 " is already in use on this machine; choose another port or 0 for a free one");
+      throw std::runtime_error("cannot host the rendezvous store on port " + std::to_string(env.master_port) + ": " +
+                               why);
+    }
+    throw std::runtime_error("rank " + std::to_string(env.rank) + ": could not reach the rendezvous store at " +
+                             env.master_addr + ":" + std::to_string(env.master_port) + " within " +
+                             std::to_string(static_cast<int64_t>(timeout_seconds)) + " s (" + why + ")");
+  }
+  if (env.port_report_fd >= 0) {
+    const std::string port = std::to_string(store->getPort()) + "\n";
+    const bool sent = write(env.port_report_fd, port.data(), port.size()) == static_cast<ssize_t>(port.size());
+    close(env.port_report_fd);
+    if (!sent) throw std::runtime_error("could not report the store's port to the launcher");
+  }
+
+  Dist d;
+  d.rank = env.rank;
+  d.world_size = env.world_size;
+  d.local_rank = env.local_rank;
+  d.backend = placement.backend;
+  d.device = device;
+  d.timeout = timeout;
+  d.gloo_address = local_address_towards(env.master_addr);
+  d.store = store;
+  d.group = d.new_group("main");
+  return d;
+}
+
+void use_device(const torch::Device& device) {
+  if (device.is_cuda()) c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(device);
+}
+
+void allreduce_sum(Group& group, at::Tensor& tensor) {
+  std::vector<at::Tensor> tensors{tensor};
+  group.allreduce(tensors)->wait();
+}
+
+void broadcast(Group& group, at::Tensor& tensor, int root) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  group.broadcast(tensors, opts)->wait();
+}
+
+}  // namespace mnist_ddp

@@ -1,0 +1,26 @@
+// mnist_ddp: parse options, then either launch the workers or be one.
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "mnist_ddp/launcher.hpp"
+#include "mnist_ddp/options.hpp"
+#include "mnist_ddp/trainer.hpp"
+
+int main(int argc, char** argv) {
+  using namespace mnist_ddp;
+  try {
+    const std::optional<Options> opts = parse_options(argc, argv);
+    if (!opts) return 0;  // --help
+    if (const auto env = worker_env_from_environment()) return run_worker(*opts, *env);
+    const Placement placement = plan_placement(*opts);
+    preflight(*opts);
+    return run_launcher(*opts, placement, std::vector<std::string>(argv, argv + argc));
+  } catch (const UsageError& e) {
+    std::cerr << "mnist_ddp: error: " << e.what() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "mnist_ddp: error: " << e.what() << std::endl;
+    return 1;
+  }
+}

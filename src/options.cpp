@@ -1,0 +1,139 @@
+#include "mnist_ddp/options.hpp"
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <climits>
+#include <sstream>
+
+namespace mnist_ddp {
+namespace {
+
+// Validators whose messages say what is allowed. CLI11 prefixes the flag name.
+CLI::Validator at_least(double min, const std::string& what) {
+  return CLI::Validator(
+      [min, what](std::string& s) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(s, v) || !(v >= min)) return "must be " + what + ", got '" + s + "'";
+        return "";
+      },
+      what);
+}
+
+CLI::Validator positive(const std::string& what) {
+  return CLI::Validator(
+      [what](std::string& s) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(s, v) || !(v > 0)) return "must be " + what + ", got '" + s + "'";
+        return "";
+      },
+      what);
+}
+
+CLI::Validator one_of(const std::vector<std::string>& choices) {
+  std::string list;
+  for (const auto& c : choices) list += (list.empty() ? "" : ", ") + c;
+  return CLI::Validator(
+      [choices, list](std::string& s) -> std::string {
+        if (std::find(choices.begin(), choices.end(), s) != choices.end()) return "";
+        return "must be one of " + list + ", got '" + s + "'";
+      },
+      "{" + list + "}");
+}
+
+std::string python_name(const CLI::Option* opt) {
+  std::string name = opt->get_lnames().front();
+  std::replace(name.begin(), name.end(), '-', '_');
+  return name;
+}
+
+// CLI11 phrases a failed conversion differently in each version; say it our way.
+std::string one_line(const CLI::ParseError& e, const CLI::App& app) {
+  std::string msg = e.what();
+  if (const auto nl = msg.find('\n'); nl != std::string::npos) msg.resize(nl);
+  if (e.get_name() == "ConversionError") {
+    for (const CLI::Option* opt : app.get_options()) {
+      const std::string flag = "--" + opt->get_lnames().front();
+      if (msg.find(opt->get_lnames().front()) != std::string::npos)
+        return flag + ": '" + (opt->results().empty() ? std::string() : opt->results().back()) +
+               "' is not a valid " + opt->get_type_name() + " value";
+    }
+  }
+  return msg;
+}
+
+}  // namespace
+
+std::optional<Options> parse_options(int argc, const char* const* argv) {
+  Options o;
+  CLI::App app{
+      "Trains a CNN on MNIST with data parallelism: one worker process per GPU (NCCL) or\n"
+      "--nproc worker processes on CPU (Gloo), gradients averaged by our DistributedDataParallel\n"
+      "and compressed by the hook chosen with --compression.",
+      "mnist_ddp"};
+  app.option_defaults()->always_capture_default();
+  app.get_formatter()->column_width(34);
+
+  app.add_option("--batch-size", o.batch_size, "Training images per process and step")
+      ->check(positive("a positive integer"));
+  app.add_option("--test-batch-size", o.test_batch_size, "Evaluation images per process and batch")
+      ->check(positive("a positive integer"));
+  app.add_option("--epochs", o.epochs, "Passes over the training set")->check(positive("a positive integer"));
+  app.add_option("--lr", o.lr, "Initial learning rate (cosine-annealed to 0 over --epochs)")
+      ->check(positive("a positive number"));
+  app.add_option("--momentum", o.momentum, "SGD momentum")->check(at_least(0, "a number >= 0"));
+  app.add_option("--weight-decay,--wd", o.weight_decay, "SGD weight decay (L2 penalty)")
+      ->check(at_least(0, "a number >= 0"));
+  app.add_option("--workers", o.workers,
+                 "Accepted for compatibility with the reference; batches are sliced from memory")
+      ->check(at_least(0, "an integer >= 0"));
+  app.add_option("--compression", o.compression, "Gradient communication hook")->check(one_of(kCompressions));
+  app.add_option("--log-interval,--log_interval", o.log_interval, "Batches between two training log lines")
+      ->check(positive("a positive integer"));
+  app.add_option("--path", o.path, "Directory for the log file, the best model and checkpoints");
+
+  app.add_option("--gpus", o.gpus, "CUDA device ids, one worker each, e.g. 0,1 (default: all visible)")
+      ->delimiter(',')
+      ->check(at_least(0, "a device id >= 0"));
+  app.add_option("--backend", o.backend, "Process group backend: nccl on CUDA, gloo on CPU")
+      ->check(one_of({"auto", "nccl", "gloo"}));
+  app.add_option("--nproc", o.nproc, "Worker processes when training on CPU")->check(positive("a positive integer"));
+  app.add_option("--master-addr", o.master_addr, "Address of the rank-0 rendezvous store");
+  app.add_option("--master-port", o.master_port, "Port of the rank-0 store; 0 picks a free one (single node)")
+      ->check(CLI::Validator(
+          [](std::string& s) -> std::string {
+            long v = -1;
+            if (!CLI::detail::lexical_cast(s, v) || v < 0 || v > 65535)
+              return "must be a port number in 0..65535, got '" + s + "'";
+            return "";
+          },
+          "0..65535"));
+  app.add_option("--timeout", o.timeout, "Seconds a rendezvous or collective may wait for a peer")
+      ->check(positive("a positive number of seconds"));
+
+  app.add_option("--data-dir", o.data_dir, "Directory holding MNIST/raw or FashionMNIST/raw");
+  app.add_option("--dataset", o.dataset, "Dataset to train on")->check(one_of({"mnist", "fashion-mnist"}));
+  app.add_option("--seed", o.seed, "Seed of model init, data order and dropout");
+  app.add_option("--max-steps", o.max_steps, "Stop after this many training steps in total (0: no limit)")
+      ->check(at_least(0, "an integer >= 0"));
+  app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "Gradient bucket size in MB (the first bucket is at most 1 MB)")
+      ->check(positive("a positive number"));
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return std::nullopt;
+  } catch (const CLI::ParseError& e) {
+    throw UsageError(one_line(e, app));
+  }
+
+  for (const CLI::Option* opt : app.get_options()) {
+    if (opt == app.get_help_ptr()) continue;
+    const_cast<CLI::Option*>(opt)->capture_default_str();  // the value as parsed
+    o.arguments.emplace_back(python_name(opt), opt->get_default_str());
+  }
+  return o;
+}
+
+}  // namespace mnist_ddp

@@ -1,0 +1,171 @@
+#include "mnist_ddp/sync_batch_norm.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::vector<int64_t> non_channel_dims(const torch::Tensor& x) {
+  std::vector<int64_t> dims{0};
+  for (int64_t d = 2; d < x.dim(); ++d) dims.push_back(d);
+  return dims;
+}
+
+// [C] -> [1, C, 1, ...], to broadcast over an input of x's rank.
+torch::Tensor per_channel(const torch::Tensor& v, const torch::Tensor& x) {
+  std::vector<int64_t> shape(x.dim(), 1);
+  shape[1] = v.size(0);
+  return v.view(shape);
+}
+
+struct GlobalStats {
+  torch::Tensor mean;    // [C], biased over all ranks' elements
+  torch::Tensor invstd;  // [C], 1 / sqrt(var + eps)
+  torch::Tensor var;     // [C], biased
+  double count;          // elements per channel over all ranks
+};
+
+// One allreduce of [sum | sum of squares | count]. The local sums are formed
+// in float64 from a numerically stable local mean and variance, so the
+// combination var = E[x^2] - mean^2 loses nothing in float32 terms.
+GlobalStats global_stats(const torch::Tensor& x, Group& group, double eps) {
+  const int64_t c = x.size(1);
+  const double n = c ? static_cast<double>(x.numel() / c) : 0.0;
+  auto stats = torch::zeros({2 * c + 1}, x.options().dtype(torch::kFloat64));
+  if (n > 0) {
+    auto [var, mean] = torch::var_mean(x, non_channel_dims(x), /*unbiased=*/false, /*keepdim=*/false);
+    const auto m = mean.to(torch::kFloat64);
+    stats.slice(0, 0, c).copy_(m * n);
+    stats.slice(0, c, 2 * c).copy_((var.to(torch::kFloat64) + m * m) * n);
+  }
+  stats[2 * c].fill_(n);
+  allreduce_sum(group, stats);
+  const double count = stats[2 * c].item<double>();
+  TORCH_CHECK(count > 0, "SyncBatchNorm: the batch is empty on every rank");
+  const auto mean = stats.slice(0, 0, c) / count;
+  const auto var = (stats.slice(0, c, 2 * c) / count - mean * mean).clamp_min_(0);
+  return {mean.to(x.scalar_type()), (var + eps).rsqrt().to(x.scalar_type()), var, count};
+}
+
+// Normalises with given global statistics; backward completes the chain
+// rule through those statistics with one more allreduce.
+class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& input, const torch::Tensor& weight,
+                               const torch::Tensor& bias, const torch::Tensor& mean, const torch::Tensor& invstd,
+                               double count, GroupPtr group) {
+    // x_hat = (x - mean) * invstd, then y = x_hat * weight + bias: one pass each.
+    const auto x_hat = torch::addcmul(per_channel(-mean * invstd, input), input, per_channel(invstd, input));
+    const auto y = torch::addcmul(per_channel(bias, input), x_hat, per_channel(weight, input));
+    ctx->save_for_backward({x_hat, weight, invstd});
+    ctx->saved_data["count"] = count;
+    ctx->saved_data["group"] = c10::IValue::make_capsule(group);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& x_hat = saved[0];
+    const auto& weight = saved[1];
+    const auto& invstd = saved[2];
+    const double count = ctx->saved_data["count"].toDouble();
+    auto group = c10::static_intrusive_pointer_cast<Group>(ctx->saved_data["group"].toCapsule());
+    const auto dy = grad_outputs[0];
+    const int64_t c = x_hat.size(1);
+
+    const auto dims = non_channel_dims(x_hat);
+    const auto sum_dy = dy.sum(dims);
+    const auto sum_dy_xhat = (dy * x_hat).sum(dims);
+    auto sums = torch::cat({sum_dy, sum_dy_xhat}).to(torch::kFloat64);
+    allreduce_sum(*group, sums);
+    const auto mean_dy = (sums.slice(0, 0, c) / count).to(dy.scalar_type());
+    const auto mean_dy_xhat = (sums.slice(0, c, 2 * c) / count).to(dy.scalar_type());
+
+    // dx = weight * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over all ranks.
+    const auto a = weight * invstd;
+    const auto dx = torch::addcmul(torch::addcmul(per_channel(-a * mean_dy, dy), x_hat, per_channel(-a * mean_dy_xhat, dy)),
+                                   dy, per_channel(a, dy));
+    // This rank's share of the parameter gradients; DDP sums the shares.
+    return {dx, sum_dy_xhat, sum_dy, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+SyncBatchNormImpl::SyncBatchNormImpl(const torch::nn::BatchNormOptions& options_, GroupPtr group_)
+    : options(options_), group(std::move(group_)) {
+  reset();
+}
+
+SyncBatchNormImpl::SyncBatchNormImpl(const torch::nn::BatchNorm2dImpl& bn, GroupPtr group_)
+    : options(bn.options), group(std::move(group_)) {
+  weight = bn.weight;
+  bias = bn.bias;
+  running_mean = bn.running_mean;
+  running_var = bn.running_var;
+  num_batches_tracked = bn.num_batches_tracked;
+  register_state();
+}
+
+void SyncBatchNormImpl::reset() {
+  TORCH_CHECK(options.affine() && options.track_running_stats(),
+              "SyncBatchNorm supports affine layers with running statistics only");
+  const int64_t c = options.num_features();
+  weight = torch::ones({c});
+  bias = torch::zeros({c});
+  running_mean = torch::zeros({c});
+  running_var = torch::ones({c});
+  num_batches_tracked = torch::zeros({}, torch::kLong);
+  register_state();
+}
+
+void SyncBatchNormImpl::register_state() {
+  weight = register_parameter("weight", weight);
+  bias = register_parameter("bias", bias);
+  running_mean = register_buffer("running_mean", running_mean);
+  running_var = register_buffer("running_var", running_var);
+  num_batches_tracked = register_buffer("num_batches_tracked", num_batches_tracked);
+}
+
+torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
+  TORCH_CHECK(input.dim() >= 2 && input.size(1) == options.num_features(), "SyncBatchNorm: expected ",
+              options.num_features(), " channels in dimension 1, got input of shape ", input.sizes());
+  double factor = 0.0;
+  if (is_training()) {
+    num_batches_tracked.add_(1);
+    factor = options.momentum() ? *options.momentum() : 1.0 / num_batches_tracked.item<double>();
+  }
+  if (!is_training() || !group || group->getSize() == 1) {
+    return torch::batch_norm(input, weight, bias, running_mean, running_var, is_training(), factor, options.eps(),
+                             /*cudnn_enabled=*/true);
+  }
+  const GlobalStats stats = global_stats(input, *group, options.eps());
+  {
+    torch::NoGradGuard no_grad;
+    const double unbiased = stats.count > 1 ? stats.count / (stats.count - 1) : 1.0;
+    running_mean.mul_(1 - factor).add_(stats.mean.to(running_mean.scalar_type()), factor);
+    running_var.mul_(1 - factor).add_((stats.var * unbiased).to(running_var.scalar_type()), factor);
+  }
+  return SyncBatchNormFunction::apply(input, weight, bias, stats.mean, stats.invstd, stats.count, group);
+}
+
+void convert_sync_batchnorm(torch::nn::Module& module, const GroupPtr& group) {
+  for (const auto& child : module.named_children()) {
+    if (auto bn = std::dynamic_pointer_cast<torch::nn::BatchNorm2dImpl>(child.value())) {
+      auto sync = std::make_shared<SyncBatchNormImpl>(*bn, group);
+      sync->train(bn->is_training());
+      module.replace_module(child.key(), sync);
+    } else {
+      convert_sync_batchnorm(*child.value(), group);
+    }
+  }
+}
+
+torch::Tensor forward_batch_norm(torch::nn::Module& layer, const torch::Tensor& input) {
+  if (auto* sync = dynamic_cast<SyncBatchNormImpl*>(&layer)) return sync->forward(input);
+  if (auto* bn = dynamic_cast<torch::nn::BatchNorm2dImpl*>(&layer)) return bn->forward(input);
+  TORCH_CHECK(false, "forward_batch_norm: ", layer.name(), " is neither BatchNorm2d nor SyncBatchNorm");
+}
+
+}  // namespace mnist_ddp

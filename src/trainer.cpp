@@ -1,0 +1,251 @@
+#include "mnist_ddp/trainer.hpp"
+
+#include <unistd.h>
+
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <iostream>
+#include <thread>
+
+#include "mnist_ddp/checkpoint.hpp"
+#include "mnist_ddp/comm_hooks.hpp"
+#include "mnist_ddp/data.hpp"
+#include "mnist_ddp/ddp.hpp"
+#include "mnist_ddp/dist.hpp"
+#include "mnist_ddp/logging.hpp"
+#include "mnist_ddp/model.hpp"
+#include "mnist_ddp/sync_batch_norm.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+void prepare_output_dir(const std::string& path, bool announce) {
+  std::error_code ec;
+  const bool existed = fs::is_directory(path, ec);
+  if (!existed) {
+    fs::create_directories(path, ec);
+    if (ec) throw std::runtime_error("--path " + path + ": cannot create the directory: " + ec.message());
+  }
+  if (access(path.c_str(), W_OK | X_OK) != 0)
+    throw std::runtime_error("--path " + path + ": the directory is not writable");
+  if (announce) std::cout << "The folder '" << path << "' " << (existed ? "already exists." : "was created.") << std::endl;
+}
+
+// Intra-op threads that share the cores among the local workers, unless the
+// user chose with OMP_NUM_THREADS.
+void configure_threads(int local_workers) {
+  if (!std::getenv("OMP_NUM_THREADS")) {
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    at::set_num_threads(std::max(1, cores / std::max(1, local_workers)));
+  }
+  at::set_num_interop_threads(1);
+}
+
+// Samples whose label is the top prediction, and among the top five.
+std::pair<torch::Tensor, torch::Tensor> correct_counts(const torch::Tensor& output, const torch::Tensor& target) {
+  const auto top = std::get<1>(output.topk(std::min<int64_t>(5, output.size(1)), 1));
+  const auto hit = top.eq(target.view({-1, 1}));
+  return {hit.select(1, 0).sum(), hit.sum()};
+}
+
+std::string error_line(const std::exception& e) {
+  std::string msg = e.what();
+  if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) msg = c10e->what_without_backtrace();
+  return msg.substr(0, msg.find('\n'));
+}
+
+class Trainer {
+ public:
+  Trainer(const Options& opts, Dist& dist);
+  void run();
+
+ private:
+  bool train_epoch(int epoch);  // false once --max-steps is reached
+  void log_train(int epoch, int64_t batch, int64_t batches, const torch::Tensor& loss, const torch::Tensor& output,
+                 const torch::Tensor& labels);
+  void evaluate(int epoch);
+
+  const Options& opts_;
+  Dist& dist_;
+  Net net_;
+  DistributedDataParallel ddp_{nullptr};
+  Dataset train_;
+  Dataset test_;
+  DistributedSampler sampler_;
+  torch::Tensor test_indices_;
+  std::unique_ptr<torch::optim::SGD> optimizer_;
+  int64_t step_ = 0;
+  double best_accuracy_ = 0;
+};
+
+Trainer::Trainer(const Options& opts, Dist& dist)
+    : opts_(opts),
+      dist_(dist),
+      train_(load_dataset(opts.data_dir, opts.dataset, /*train=*/true)),
+      test_(load_dataset(opts.data_dir, opts.dataset, /*train=*/false)),
+      sampler_(train_.size(), dist.world_size, dist.rank, /*shuffle=*/true, opts.seed),
+      test_indices_(shard_indices(test_.size(), dist.world_size, dist.rank)) {
+  spdlog::info("Arguments:");
+  for (const auto& [name, value] : opts.arguments) spdlog::info("{}: {}", name, value);
+  spdlog::info("Process group: {} over {} rank(s), device {}, {} intra-op thread(s) per rank", dist.backend,
+               dist.world_size, dist.device.str(), at::get_num_threads());
+  spdlog::info("Data: {} training and {} test images from {}", train_.size(), test_.size(),
+               raw_dir(opts.data_dir, opts.dataset));
+
+  // ---- Model: the reference's Net, BatchNorm made synchronous, then DDP. ----
+  torch::manual_seed(opts.seed);
+  net_ = Net();
+  convert_sync_batchnorm(*net_, dist.group);
+  net_->to(dist.device);
+  ddp_ = DistributedDataParallel(torch::nn::AnyModule(net_), dist, make_comm_hook(opts.compression), opts.bucket_cap_mb);
+  for (const auto& line : ddp_->describe_buckets()) spdlog::info("DDP {}", line);
+  // Dropout draws differ across ranks, as they would in separate processes.
+  torch::manual_seed(opts.seed + 1000 * static_cast<uint64_t>(dist.rank + 1));
+
+  // ---- Optimiser: SGD with momentum and weight decay. ----
+  optimizer_ = std::make_unique<torch::optim::SGD>(
+      ddp_->parameters(), torch::optim::SGDOptions(opts.lr).momentum(opts.momentum).weight_decay(opts.weight_decay));
+}
+
+void Trainer::run() {
+  for (int epoch = 0; epoch < opts_.epochs; ++epoch) {
+    // Cosine annealing to 0 over --epochs, stepped once per epoch.
+    const double lr = opts_.lr * (1 + std::cos(M_PI * epoch / opts_.epochs)) / 2;
+    static_cast<torch::optim::SGDOptions&>(optimizer_->param_groups()[0].options()).lr(lr);
+    const bool more = train_epoch(epoch);
+    evaluate(epoch);
+    if (!more) break;
+  }
+  dist_.group->barrier()->wait();  // nobody leaves while a peer still needs the store
+}
+
+bool Trainer::train_epoch(int epoch) {
+  ddp_->train();
+  sampler_.set_epoch(epoch);
+  const torch::Tensor indices = sampler_.indices();
+  const int64_t batches = num_batches(indices.size(0), opts_.batch_size);
+  const auto start = Clock::now();
+  int64_t images = 0;
+  for (int64_t b = 0; b < batches; ++b) {
+    auto [x, y] = get_batch(train_, indices, b, opts_.batch_size);
+    x = x.to(dist_.device, /*non_blocking=*/true);
+    y = y.to(dist_.device, /*non_blocking=*/true);
+    optimizer_->zero_grad();
+    const torch::Tensor output = ddp_->forward(x);
+    // The model ends in log_softmax, so the reference's cross-entropy on its
+    // output equals the negative log-likelihood of that output.
+    const torch::Tensor loss = torch::nll_loss(output, y);
+    loss.backward();
+    optimizer_->step();
+    ++step_;
+    images += y.size(0);
+    if (b % opts_.log_interval == 0) log_train(epoch, b, batches, loss, output, y);
+    if (opts_.max_steps > 0 && step_ >= opts_.max_steps) {
+      spdlog::info("Stopping after --max-steps {} steps", opts_.max_steps);
+      return false;
+    }
+  }
+  const double seconds = seconds_since(start);
+  spdlog::info("Epoch {}: {} steps in {:.1f} s, {:.0f} images/s", epoch, batches, seconds,
+               images * dist_.world_size / seconds);
+  return true;
+}
+
+void Trainer::log_train(int epoch, int64_t batch, int64_t batches, const torch::Tensor& loss,
+                        const torch::Tensor& output, const torch::Tensor& labels) {
+  const auto [top1, top5] = correct_counts(output.detach(), labels);
+  const double percent = 100.0 / static_cast<double>(labels.size(0));
+  // Every rank's loss and accuracies, averaged over ranks as the reference does.
+  auto metrics = torch::stack({loss.detach().to(torch::kFloat64), top1.to(torch::kFloat64) * percent,
+                               top5.to(torch::kFloat64) * percent});
+  allreduce_sum(*dist_.group, metrics);
+  metrics = (metrics / dist_.world_size).cpu();
+  const auto m = metrics.accessor<double, 1>();
+  spdlog::info("Train Epoch: {} [{}/{}\t({:.0f}%)]\tLoss: {:.6f}\tTop 1 Acc: {:.2f}%\tTop 5 Acc: {:.2f}%", epoch,
+               batch, batches, 100.0 * static_cast<double>(batch) / static_cast<double>(batches), m[0], m[1], m[2]);
+}
+
+void Trainer::evaluate(int epoch) {
+  ddp_->eval();
+  torch::NoGradGuard no_grad;
+  // Sums over this rank's shard: loss, top-1 hits, top-5 hits, images.
+  double local[4] = {0, 0, 0, 0};
+  const int64_t batches = num_batches(test_indices_.size(0), opts_.test_batch_size);
+  for (int64_t b = 0; b < batches; ++b) {
+    auto [x, y] = get_batch(test_, test_indices_, b, opts_.test_batch_size);
+    x = x.to(dist_.device, true);
+    y = y.to(dist_.device, true);
+    const torch::Tensor output = ddp_->forward(x);
+    const auto [top1, top5] = correct_counts(output, y);
+    local[0] += torch::nll_loss(output, y, {}, at::Reduction::Sum).item<double>();
+    local[1] += static_cast<double>(top1.item<int64_t>());
+    local[2] += static_cast<double>(top5.item<int64_t>());
+    local[3] += static_cast<double>(y.size(0));
+  }
+  // The shards are disjoint, so the sums count every test image once.
+  auto sums = torch::tensor({local[0], local[1], local[2], local[3]}, torch::kFloat64).to(dist_.device);
+  allreduce_sum(*dist_.group, sums);
+  sums = sums.cpu();
+  const auto s = sums.accessor<double, 1>();
+  const double accuracy = 100.0 * s[1] / s[3];
+  spdlog::info("Test Epoch: {}: Average loss: {:.4f}, Top 1 Acc: {:.2f}%, Top 5 Acc: {:.2f}%\n", epoch, s[0] / s[3],
+               accuracy, 100.0 * s[2] / s[3]);
+  if (accuracy > best_accuracy_) {
+    best_accuracy_ = accuracy;
+    spdlog::info("Save model with best accuracy: {:.4f}%", best_accuracy_);
+    if (dist_.rank == 0) save_state_dict((fs::path(opts_.path) / "mnist_model.pt").string(), state_dict(*ddp_));
+  }
+  spdlog::info("Current best test accuracy: {:.4f}%", best_accuracy_);
+}
+
+void report_error(int rank, const std::string& message) {
+  if (logging_ready()) {
+    spdlog::error("error: {}", message);
+    spdlog::default_logger()->flush();
+  } else {
+    std::cerr << "mnist_ddp: " << (rank ? "rank " + std::to_string(rank) + ": " : "") << "error: " << message
+              << std::endl;
+  }
+}
+
+}  // namespace
+
+void preflight(const Options& opts) {
+  check_dataset_files(opts.data_dir, opts.dataset);
+  prepare_output_dir(opts.path, /*announce=*/true);
+}
+
+int run_worker(const Options& opts, const WorkerEnv& env) {
+  int code = 1;
+  try {
+    const Placement placement = plan_placement(opts);
+    configure_threads(env.local_world_size);
+    Dist dist = connect(env, placement, opts.timeout);
+    if (dist.rank == 0) prepare_output_dir(opts.path, /*announce=*/false);
+    init_logging(opts.path, dist.rank);
+    Trainer(opts, dist).run();
+    return 0;
+  } catch (const UsageError& e) {
+    report_error(env.rank, e.what());
+    code = 2;
+  } catch (const std::exception& e) {
+    report_error(env.rank, error_line(e));
+  }
+  // Leave without destructors: a process group or the DDP thread could wait
+  // for peers that are gone.
+  std::cout.flush();
+  std::cerr.flush();
+  _exit(code);
+}
+
+}  // namespace mnist_ddp

@@ -1,0 +1,186 @@
+#include <gtest/gtest.h>
+
+#include "mnist_ddp/comm_hooks.hpp"
+#include "mnist_ddp/ddp.hpp"
+#include "mnist_ddp/model.hpp"
+#include "test_util.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+using test::run_ranks;
+
+// No BatchNorm and no dropout: per-rank batches give the same gradients as
+// one batch, so one process on the concatenated batch is the oracle.
+struct SmallNetImpl : torch::nn::Module {
+  SmallNetImpl() {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3)));
+    fc = register_module("fc", torch::nn::Linear(144, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) { return torch::log_softmax(fc(torch::relu(conv(x)).flatten(1)), 1); }
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(SmallNet);
+
+double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+TEST(BucketAssignment, ClosesABucketOnceItReachesItsCap) {
+  using Buckets = std::vector<std::vector<size_t>>;
+  EXPECT_EQ(compute_bucket_assignment({10, 10, 10}, 15, 100), (Buckets{{0, 1}, {2}}));
+  EXPECT_EQ(compute_bucket_assignment({10, 10, 10}, 5, 10), (Buckets{{0}, {1}, {2}}));
+  EXPECT_EQ(compute_bucket_assignment({1, 2, 3}, 100, 100), (Buckets{{0, 1, 2}}));
+  EXPECT_EQ(compute_bucket_assignment({}, 1, 1), Buckets{});
+}
+
+TEST(BucketAssignment, NetLaysOutAsPyTorchDoes) {
+  Net net;
+  std::vector<int64_t> sizes;
+  const auto params = net->parameters();
+  for (auto it = params.rbegin(); it != params.rend(); ++it) sizes.push_back(it->numel() * 4);
+  const auto buckets = compute_bucket_assignment(sizes, kFirstBucketCapBytes, 25 * 1024 * 1024);
+  // fc2.bias, fc2.weight, fc1.bias, fc1.weight fill the 1 MB first bucket; the rest share the second.
+  ASSERT_EQ(buckets.size(), 2u);
+  EXPECT_EQ(buckets[0], (std::vector<size_t>{0, 1, 2, 3}));
+  EXPECT_EQ(buckets[1].size(), 8u);
+}
+
+struct Batches {
+  torch::Tensor x, y;
+};
+
+Batches make_batches(int64_t n, uint64_t seed) {
+  torch::manual_seed(seed);
+  return {torch::randn({n, 1, 8, 8}), torch::randint(0, 10, {n}, torch::kInt64)};
+}
+
+// Models built serially: threads share LibTorch's default generator.
+std::vector<SmallNet> models_with_seeds(int count, uint64_t first_seed) {
+  std::vector<SmallNet> models;
+  for (int r = 0; r < count; ++r) {
+    torch::manual_seed(first_seed + r);
+    models.emplace_back();
+  }
+  return models;
+}
+
+TEST(Ddp, AveragedGradientsEqualOneProcessOnTheConcatenatedBatch) {
+  const int64_t per_rank = 4;
+  for (int world : {2, 3}) {
+    for (double cap_mb : {25.0, 0.001}) {  // two buckets, then one bucket per parameter
+      const Batches data = make_batches(world * per_rank, 1);
+      auto oracle = models_with_seeds(1, 100).front();  // the same init as rank 0
+      torch::nll_loss(oracle->forward(data.x), data.y).backward();
+
+      auto models = models_with_seeds(world, 100);  // every rank starts elsewhere
+      std::vector<std::vector<torch::Tensor>> grads(world), params(world);
+      run_ranks(world, [&](Dist& dist) {
+        DistributedDataParallel ddp(torch::nn::AnyModule(models[dist.rank]), dist, std::make_unique<AllreduceHook>(),
+                                    cap_mb);
+        const int64_t begin = dist.rank * per_rank;
+        auto out = ddp->forward(data.x.slice(0, begin, begin + per_rank));
+        torch::nll_loss(out, data.y.slice(0, begin, begin + per_rank)).backward();
+        for (const auto& p : ddp->parameters()) {
+          grads[dist.rank].push_back(p.grad().clone());
+          params[dist.rank].push_back(p.detach().clone());
+        }
+      });
+      const auto expected = oracle->parameters();
+      for (int r = 0; r < world; ++r) {
+        ASSERT_EQ(grads[r].size(), expected.size());
+        for (size_t i = 0; i < expected.size(); ++i) {
+          EXPECT_TRUE(torch::equal(params[r][i], expected[i])) << "rank " << r << " did not start from rank 0's state";
+          EXPECT_LE(max_abs_diff(grads[r][i], expected[i].grad()), 1e-5)
+              << "world " << world << " cap " << cap_mb << " rank " << r << " parameter " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(Ddp, ReplicasStayIdenticalAndTrackTheOracleOverSteps) {
+  const int world = 3, per_rank = 4, steps = 6;
+  auto oracle = models_with_seeds(1, 7).front();
+  torch::optim::SGD oracle_opt(oracle->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(5e-4));
+  std::vector<Batches> data;
+  for (int s = 0; s < steps; ++s) data.push_back(make_batches(world * per_rank, 50 + s));
+  for (const auto& d : data) {
+    oracle_opt.zero_grad();
+    torch::nll_loss(oracle->forward(d.x), d.y).backward();
+    oracle_opt.step();
+  }
+
+  auto models = models_with_seeds(world, 7);
+  std::vector<std::vector<torch::Tensor>> final_params(world);
+  run_ranks(world, [&](Dist& dist) {
+    DistributedDataParallel ddp(torch::nn::AnyModule(models[dist.rank]), dist, std::make_unique<AllreduceHook>(), 0.001);
+    torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(5e-4));
+    for (const auto& d : data) {
+      opt.zero_grad();
+      const int64_t begin = dist.rank * per_rank;
+      torch::nll_loss(ddp->forward(d.x.slice(0, begin, begin + per_rank)), d.y.slice(0, begin, begin + per_rank))
+          .backward();
+      opt.step();
+    }
+    for (const auto& p : ddp->parameters()) final_params[dist.rank].push_back(p.detach().clone());
+  });
+  const auto expected = oracle->parameters();
+  for (size_t i = 0; i < expected.size(); ++i) {
+    for (int r = 1; r < world; ++r) EXPECT_TRUE(torch::equal(final_params[r][i], final_params[0][i]));
+    EXPECT_LE(max_abs_diff(final_params[0][i], expected[i]), 1e-5);
+  }
+}
+
+TEST(Ddp, GradientsStayBucketViewsWhenTheOptimiserResetsThem) {
+  // PyTorch 2's zero_grad sets .grad to undefined; DDP must relink it.
+  auto models = models_with_seeds(2, 3);
+  run_ranks(2, [&](Dist& dist) {
+    DistributedDataParallel ddp(torch::nn::AnyModule(models[dist.rank]), dist, std::make_unique<AllreduceHook>(), 25);
+    const Batches d = [&] {
+      static std::mutex m;
+      std::lock_guard<std::mutex> lock(m);
+      return make_batches(4, 9);
+    }();
+    for (int step = 0; step < 2; ++step) {
+      for (auto& p : ddp->parameters()) p.mutable_grad() = torch::Tensor();
+      torch::nll_loss(ddp->forward(d.x), d.y).backward();
+      for (const auto& p : ddp->parameters()) {
+        ASSERT_TRUE(p.grad().defined());
+        const auto* begin = static_cast<const char*>(ddp->buckets()[0].buffer.data_ptr());
+        const auto* end = begin + 4 * ddp->buckets()[0].buffer.numel();
+        const auto* g = static_cast<const char*>(p.grad().data_ptr());
+        EXPECT_TRUE(g >= begin && g < end) << "a gradient is no longer a view into its bucket";
+      }
+    }
+  });
+}
+
+struct TwoHeadsImpl : torch::nn::Module {
+  TwoHeadsImpl() {
+    used = register_module("used", torch::nn::Linear(4, 2));
+    unused = register_module("unused", torch::nn::Linear(4, 2));
+  }
+  torch::Tensor forward(torch::Tensor x) { return used(x); }
+  torch::nn::Linear used{nullptr}, unused{nullptr};
+};
+TORCH_MODULE(TwoHeads);
+
+TEST(Ddp, AParameterWithoutGradientIsNamed) {
+  std::vector<TwoHeads> models{TwoHeads(), TwoHeads()};
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](Dist& dist) {
+    DistributedDataParallel ddp(torch::nn::AnyModule(models[dist.rank]), dist, std::make_unique<AllreduceHook>(), 25);
+    try {
+      ddp->forward(torch::ones({3, 4})).sum().backward();
+    } catch (const c10::Error& e) {
+      errors[dist.rank] = e.what_without_backtrace();
+    }
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("unused.weight"), std::string::npos) << e;
+    EXPECT_EQ(e.find(" used.weight"), std::string::npos) << e;
+  }
+}
+
+}  // namespace
+}  // namespace mnist_ddp

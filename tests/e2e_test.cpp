@@ -1,0 +1,54 @@
+// The smoke run: the binary trains on the MNIST that scripts/fetch_data.sh provides.
+#include <gtest/gtest.h>
+
+#include <regex>
+
+#include "test_util.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+using namespace std::chrono_literals;
+using test::Process;
+using test::read_text;
+using test::TempDir;
+
+const std::string kData = std::string(MNIST_DDP_SOURCE_DIR) + "/data";
+
+double last_test_accuracy(const std::string& log) {
+  static const std::regex re(R"(Test Epoch: \d+: Average loss: [0-9.]+, Top 1 Acc: ([0-9.]+)%, Top 5 Acc: [0-9.]+%)");
+  double accuracy = -1;
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), re); it != std::sregex_iterator(); ++it)
+    accuracy = std::stod((*it)[1]);
+  return accuracy;
+}
+
+TEST(EndToEnd, TwoGlooWorkersLearnMnistInOneEpoch) {
+  ASSERT_TRUE(test::fs::exists(kData + "/MNIST/raw")) << "run: bash scripts/fetch_data.sh mnist";
+  TempDir dir;
+  const std::string out = dir / "output.txt";
+  Process run({"--backend", "gloo", "--nproc", "2", "--epochs", "1", "--compression", "none", "--data-dir", kData,
+               "--path", dir / "out"},
+              out);
+  const int status = run.wait(600s);
+  const std::string console = read_text(out);
+  ASSERT_NE(status, -1) << "the run took more than 10 minutes";
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << console;
+
+  const std::string log = read_text(dir / "out/mnist_train.log");
+  // The reference's lines, in the reference's format.
+  EXPECT_TRUE(std::regex_search(log, std::regex(R"(\d\d/\d\d \d\d:\d\d:\d\d [AP]M \| Arguments:)")));
+  EXPECT_NE(log.find("| compression: none\n"), std::string::npos);
+  EXPECT_TRUE(std::regex_search(
+      log, std::regex(R"(\| Train Epoch: 0 \[0/\d+\t\(0%\)\]\tLoss: \d+\.\d{6}\tTop 1 Acc: \d+\.\d\d%\tTop 5 Acc: \d+\.\d\d%)")));
+  EXPECT_NE(log.find("Save model with best accuracy: "), std::string::npos);
+  EXPECT_NE(log.find("Current best test accuracy: "), std::string::npos);
+  const double accuracy = last_test_accuracy(log);
+  std::cout << "test top-1 after one epoch: " << accuracy << "%" << std::endl;
+  EXPECT_GE(accuracy, 85.0) << log;
+  EXPECT_TRUE(test::fs::exists(dir / "out/mnist_model.pt"));
+  EXPECT_NE(console.find("The folder '" + dir / "out" + "' was created."), std::string::npos) << console;
+}
+
+}  // namespace
+}  // namespace mnist_ddp

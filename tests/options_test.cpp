@@ -1,0 +1,86 @@
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "mnist_ddp/options.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+Options parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "mnist_ddp");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  return *parse_options(static_cast<int>(argv.size()), argv.data());
+}
+
+std::string usage_error(const std::vector<std::string>& args) {
+  try {
+    parse(args);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+TEST(Options, DefaultsAreTheReferencesAndAllArgumentsAreListed) {
+  const Options o = parse({});
+  EXPECT_EQ(o.batch_size, 32);
+  EXPECT_EQ(o.test_batch_size, 256);
+  EXPECT_EQ(o.epochs, 20);
+  EXPECT_DOUBLE_EQ(o.lr, 0.01);
+  EXPECT_DOUBLE_EQ(o.momentum, 0.9);
+  EXPECT_DOUBLE_EQ(o.weight_decay, 5e-4);
+  EXPECT_EQ(o.workers, 4);
+  EXPECT_EQ(o.compression, "powersgd_fp16");
+  EXPECT_EQ(o.log_interval, 10);
+  EXPECT_EQ(o.path, "./logging/");
+  EXPECT_EQ(o.nproc, 2);
+  EXPECT_EQ(o.master_port, 0);
+  std::map<std::string, std::string> args(o.arguments.begin(), o.arguments.end());
+  EXPECT_EQ(args.at("batch_size"), "32");
+  EXPECT_EQ(args.at("log_interval"), "10");
+  EXPECT_EQ(args.at("weight_decay"), "0.0005");
+  EXPECT_EQ(o.arguments.front().first, "batch_size");
+}
+
+TEST(Options, ReferenceSpellingsAndAliases) {
+  const Options o = parse({"--log_interval", "5", "--wd", "0.001", "--batch-size", "64", "--gpus", "0,1",
+                           "--compression", "none"});
+  EXPECT_EQ(o.log_interval, 5);
+  EXPECT_DOUBLE_EQ(o.weight_decay, 0.001);
+  EXPECT_EQ(o.batch_size, 64);
+  EXPECT_EQ(o.gpus, (std::vector<int>{0, 1}));
+  EXPECT_EQ(o.compression, "none");
+  std::map<std::string, std::string> args(o.arguments.begin(), o.arguments.end());
+  EXPECT_EQ(args.at("log_interval"), "5");  // the parsed value, not the default
+}
+
+TEST(Options, BadValuesNameTheFlagAndWhatIsAllowed) {
+  struct Case {
+    std::vector<std::string> args;
+    std::vector<std::string> expected;
+  };
+  const std::vector<Case> cases = {
+      {{"--compression", "zip"}, {"--compression", "none, fp16, powersgd, powersgd_fp16, batched_powersgd_fp16", "zip"}},
+      {{"--batch-size", "0"}, {"--batch-size", "positive integer"}},
+      {{"--batch-size", "-3"}, {"--batch-size", "positive integer"}},
+      {{"--batch-size", "abc"}, {"--batch-size", "abc"}},
+      {{"--epochs", "0"}, {"--epochs", "positive integer"}},
+      {{"--lr", "0"}, {"--lr", "positive number"}},
+      {{"--lr", "fast"}, {"--lr", "fast"}},
+      {{"--backend", "mpi"}, {"--backend", "auto, nccl, gloo"}},
+      {{"--master-port", "70000"}, {"--master-port", "0..65535"}},
+      {{"--dataset", "cifar"}, {"--dataset", "mnist, fashion-mnist"}},
+      {{"--nproc", "0"}, {"--nproc", "positive integer"}},
+      {{"--no-such-flag"}, {"--no-such-flag"}},
+  };
+  for (const auto& c : cases) {
+    const std::string msg = usage_error(c.args);
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    for (const auto& piece : c.expected) EXPECT_NE(msg.find(piece), std::string::npos) << "'" << msg << "' lacks '" << piece << "'";
+  }
+}
+
+}  // namespace
+}  // namespace mnist_ddp

@@ -1,0 +1,200 @@
+// Helpers shared by the tests: ranks as threads, IDX files, temporary
+// directories, and real processes of the mnist_ddp binary.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <zlib.h>
+
+#include "mnist_ddp/dist.hpp"
+
+namespace mnist_ddp::test {
+
+namespace fs = std::filesystem;
+
+// Runs fn(dist) on `world` ranks, each a thread with its own Gloo groups
+// over one shared in-memory store. Rethrows the first failure.
+inline void run_ranks(int world, const std::function<void(Dist&)>& fn) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::thread> threads;
+  std::mutex mutex;
+  std::exception_ptr failure;
+  for (int rank = 0; rank < world; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        Dist dist = make_dist(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(60));
+        fn(dist);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!failure) failure = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (failure) std::rethrow_exception(failure);
+}
+
+// A fresh directory under the system's temporary directory, removed at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    std::string templ = (fs::temp_directory_path() / "mnist_ddp_test_XXXXXX").string();
+    path_ = mkdtemp(templ.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const fs::path& path() const { return path_; }
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+inline std::string idx_bytes(const std::vector<uint32_t>& dims, const std::vector<uint8_t>& data,
+                             uint32_t magic = 0) {
+  std::string out;
+  auto put = [&](uint32_t v) {
+    for (int s = 24; s >= 0; s -= 8) out.push_back(static_cast<char>((v >> s) & 0xFF));
+  };
+  put(magic ? magic : 0x0800u | static_cast<uint32_t>(dims.size()));
+  for (uint32_t d : dims) put(d);
+  out.append(data.begin(), data.end());
+  return out;
+}
+
+inline void write_file(const std::string& path, const std::string& bytes, bool gzip) {
+  fs::create_directories(fs::path(path).parent_path());
+  if (gzip) {
+    gzFile f = gzopen(path.c_str(), "wb");
+    gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size()));
+    gzclose(f);
+  } else {
+    std::ofstream(path, std::ios::binary) << bytes;
+  }
+}
+
+// A small learnable MNIST-format dataset under <dir>/MNIST/raw: each image
+// holds a bright bar whose row encodes its label.
+inline void write_synthetic_mnist(const std::string& data_dir, int train, int test) {
+  const std::string raw = data_dir + "/MNIST/raw/";
+  for (auto [name, n] : {std::pair<std::string, int>{"train", train}, {"t10k", test}}) {
+    std::vector<uint8_t> pixels(static_cast<size_t>(n) * 28 * 28, 0), labels(n);
+    for (int i = 0; i < n; ++i) {
+      labels[i] = static_cast<uint8_t>(i % 10);
+      const int row = 2 + 2 * labels[i] + (i / 10) % 2;
+      for (int c = 4; c < 24; ++c) pixels[static_cast<size_t>(i) * 784 + row * 28 + c] = 255;
+    }
+    write_file(raw + name + "-images-idx3-ubyte.gz", idx_bytes({uint32_t(n), 28, 28}, pixels), true);
+    write_file(raw + name + "-labels-idx1-ubyte.gz", idx_bytes({uint32_t(n)}, labels), true);
+  }
+}
+
+inline std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// A child process running the mnist_ddp binary, its output going to a file.
+class Process {
+ public:
+  Process(const std::vector<std::string>& args, const std::string& output_file,
+          const std::vector<std::string>& extra_env = {}) {
+    std::vector<std::string> argv{MNIST_DDP_BINARY};
+    argv.insert(argv.end(), args.begin(), args.end());
+    pid_ = fork();
+    if (pid_ == 0) {
+      setpgid(0, 0);  // a group of its own: the test can signal it alone
+      const int fd = open(output_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      for (const auto& kv : extra_env) putenv(const_cast<char*>(kv.c_str()));
+      std::vector<char*> cargv;
+      for (auto& a : argv) cargv.push_back(a.data());
+      cargv.push_back(nullptr);
+      execv(cargv[0], cargv.data());
+      _exit(127);
+    }
+  }
+  ~Process() {
+    if (pid_ > 0 && !reaped_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  pid_t pid() const { return pid_; }
+
+  // Waits up to `limit`; returns the wait status, or -1 on timeout.
+  int wait(std::chrono::milliseconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        reaped_ = true;
+        return status;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+};
+
+// The direct children of `pid`.
+inline std::vector<pid_t> children_of(pid_t pid) {
+  std::vector<pid_t> out;
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    char state;
+    long ppid = 0;
+    rest >> state >> ppid;
+    if (ppid == pid) out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+inline bool process_exists(pid_t pid) { return kill(pid, 0) == 0 || errno != ESRCH; }
+
+// Polls `done` every 20 ms until it holds or `limit` passes.
+inline bool eventually(const std::function<bool()>& done, std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return done();
+}
+
+}  // namespace mnist_ddp::test
