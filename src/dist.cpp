@@ -69,7 +69,7 @@ GroupPtr create_group(const StorePtr& store, const std::string& backend, int ran
 }  // namespace
 
 GroupPtr Dist::new_group(const std::string& name) const {
-  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name + "/" + std::to_string(groups_created_++), store);
   try {
     return create_group(prefixed, backend, rank, world_size, gloo_address, timeout);
   } catch (const std::exception& e) {

@@ -47,8 +47,13 @@ struct Dist {
 
   // A further group over the same ranks, with its own connections and its
   // own sequence of collectives. Every rank must create its groups in the
-  // same order with the same names.
+  // same order. Each group gets a store prefix of its own (name and
+  // sequence number): a reused prefix would find a finished group's
+  // addresses.
   GroupPtr new_group(const std::string& name) const;
+
+ private:
+  mutable int groups_created_ = 0;
 };
 
 // Builds a Dist over an existing store (tests use a HashStore shared by

@@ -11,6 +11,11 @@ namespace mnist_ddp {
 // --path. Throws DataError or std::runtime_error.
 void preflight(const Options& opts);
 
+// Sets up a worker process before its first tensor: intra-op threads that
+// share the cores among `local_workers` processes (unless OMP_NUM_THREADS
+// says otherwise), and an allocator that keeps freed memory for reuse.
+void configure_worker_process(int local_workers);
+
 // Runs this process as the worker `env` describes. Returns the exit code:
 // 0, 2 for a usage error, 1 for any other error, which is reported as one
 // line first.

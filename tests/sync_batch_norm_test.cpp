@@ -1,0 +1,165 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "mnist_ddp/checkpoint.hpp"
+#include "mnist_ddp/model.hpp"
+#include "mnist_ddp/sync_batch_norm.hpp"
+#include "test_util.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+using test::run_ranks;
+
+double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  if (a.numel() == 0) return 0;
+  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
+}
+
+struct Case {
+  std::vector<int64_t> batch_sizes;  // one per rank; they may differ, and be 0
+  int steps;
+};
+
+// Every rank's slice of one global batch goes through SyncBatchNorm; the
+// oracle is BatchNorm2d on the whole batch in one process. The loss is
+// sum(y * g) with a fixed g, so the parameter gradients of the oracle are
+// the sums of the ranks' shares.
+void expect_matches_batch_norm_on_the_concatenated_batch(const Case& c) {
+  const int world = static_cast<int>(c.batch_sizes.size());
+  const int64_t channels = 5, total = std::accumulate(c.batch_sizes.begin(), c.batch_sizes.end(), int64_t{0});
+  std::vector<int64_t> begin{0};
+  for (auto n : c.batch_sizes) begin.push_back(begin.back() + n);
+
+  torch::manual_seed(11);
+  std::vector<torch::Tensor> xs, gs;
+  for (int s = 0; s < c.steps; ++s) {
+    xs.push_back(torch::randn({total, channels, 6, 7}) * 3 + 1.5);
+    gs.push_back(torch::randn({total, channels, 6, 7}));
+  }
+  torch::nn::BatchNorm2d oracle(channels);
+  torch::nn::init::uniform_(oracle->weight, 0.5, 1.5);
+  torch::nn::init::uniform_(oracle->bias, -0.5, 0.5);
+  const auto weight0 = oracle->weight.detach().clone(), bias0 = oracle->bias.detach().clone();
+  std::vector<torch::Tensor> oracle_y, oracle_dx, oracle_dw, oracle_db;
+  for (int s = 0; s < c.steps; ++s) {
+    oracle->zero_grad();
+    auto x = xs[s].clone().requires_grad_(true);
+    auto y = oracle->forward(x);
+    (y * gs[s]).sum().backward();
+    oracle_y.push_back(y.detach());
+    oracle_dx.push_back(x.grad());
+    oracle_dw.push_back(oracle->weight.grad().clone());
+    oracle_db.push_back(oracle->bias.grad().clone());
+  }
+
+  run_ranks(world, [&](Dist& dist) {
+    SyncBatchNorm bn(torch::nn::BatchNormOptions(channels), dist.group);
+    {
+      torch::NoGradGuard no_grad;
+      bn->weight.copy_(weight0);
+      bn->bias.copy_(bias0);
+    }
+    const int64_t lo = begin[dist.rank], hi = begin[dist.rank + 1];
+    for (int s = 0; s < c.steps; ++s) {
+      bn->zero_grad();
+      auto x = xs[s].slice(0, lo, hi).clone().requires_grad_(true);
+      auto y = bn->forward(x);
+      (y * gs[s].slice(0, lo, hi)).sum().backward();
+      EXPECT_LE(max_abs_diff(y, oracle_y[s].slice(0, lo, hi)), 1e-5) << "output, step " << s;
+      EXPECT_LE(max_abs_diff(x.grad(), oracle_dx[s].slice(0, lo, hi)), 1e-5) << "input gradient, step " << s;
+      auto shares = torch::cat({bn->weight.grad(), bn->bias.grad()});
+      allreduce_sum(*dist.group, shares);
+      EXPECT_LE(max_abs_diff(shares.slice(0, 0, channels), oracle_dw[s]), 1e-5) << "weight gradient, step " << s;
+      EXPECT_LE(max_abs_diff(shares.slice(0, channels), oracle_db[s]), 1e-5) << "bias gradient, step " << s;
+    }
+    EXPECT_LE(max_abs_diff(bn->running_mean, oracle->running_mean), 1e-5);
+    EXPECT_LE(max_abs_diff(bn->running_var, oracle->running_var), 1e-5);
+    EXPECT_EQ(bn->num_batches_tracked.item<int64_t>(), oracle->num_batches_tracked.item<int64_t>());
+  });
+}
+
+TEST(SyncBatchNorm, TwoRanksWithUnequalBatchesMatchBatchNormOnTheWholeBatch) {
+  expect_matches_batch_norm_on_the_concatenated_batch({{3, 5}, 3});
+}
+
+TEST(SyncBatchNorm, ThreeRanksWithUnequalBatchesMatchBatchNormOnTheWholeBatch) {
+  expect_matches_batch_norm_on_the_concatenated_batch({{4, 1, 6}, 3});
+}
+
+TEST(SyncBatchNorm, ARankWithAnEmptyBatchNeitherHangsNorSkews) {
+  expect_matches_batch_norm_on_the_concatenated_batch({{4, 0, 3}, 2});
+}
+
+TEST(SyncBatchNorm, WorldSizeOneIsBatchNorm2dExactly) {
+  torch::manual_seed(3);
+  const auto x = torch::randn({6, 4, 5, 5});
+  torch::nn::BatchNorm2d plain(4);
+  run_ranks(1, [&](Dist& dist) {
+    SyncBatchNorm sync(torch::nn::BatchNormOptions(4), dist.group);
+    for (int step = 0; step < 2; ++step) {
+      auto a = x.clone().requires_grad_(true), b = x.clone().requires_grad_(true);
+      auto ya = plain->forward(a), yb = sync->forward(b);
+      ya.pow(2).sum().backward();
+      yb.pow(2).sum().backward();
+      EXPECT_TRUE(torch::equal(ya, yb));
+      EXPECT_TRUE(torch::equal(a.grad(), b.grad()));
+    }
+    EXPECT_TRUE(torch::equal(plain->running_var, sync->running_var));
+    EXPECT_TRUE(torch::equal(plain->weight.grad(), sync->weight.grad()));
+  });
+}
+
+TEST(SyncBatchNorm, EvalUsesRunningStatisticsAndNeverCommunicates) {
+  // Rank r evaluates r + 1 batches: any collective would leave a rank waiting.
+  std::vector<torch::Tensor> outputs(3);
+  run_ranks(3, [&](Dist& dist) {
+    SyncBatchNorm bn(torch::nn::BatchNormOptions(2), dist.group);
+    {
+      torch::NoGradGuard no_grad;
+      bn->running_mean.copy_(torch::tensor({1.0f, -2.0f}));
+      bn->running_var.copy_(torch::tensor({4.0f, 0.25f}));
+    }
+    bn->eval();
+    torch::Tensor y;
+    for (int b = 0; b <= dist.rank; ++b) y = bn->forward(torch::ones({2, 2, 3, 3}));
+    outputs[dist.rank] = y;
+  });
+  const auto expected = torch::tensor({(1 - 1) / std::sqrt(4 + 1e-5), (1 + 2) / std::sqrt(0.25 + 1e-5)});
+  for (const auto& y : outputs) EXPECT_LE(max_abs_diff(y.select(0, 0).mean({1, 2}), expected), 1e-5);
+}
+
+TEST(SyncBatchNorm, ConvertingNetKeepsItsStateDictNamesAndValues) {
+  torch::manual_seed(5);
+  Net net;
+  {
+    torch::NoGradGuard no_grad;
+    net->named_buffers()["bn1.running_mean"].uniform_();  // not the defaults, so a copy would show
+  }
+  const auto before = state_dict(*net);
+  const void* weight_before = net->named_parameters()["bn2.weight"].data_ptr();
+  run_ranks(1, [&](Dist& dist) { convert_sync_batchnorm(*net, dist.group); });
+  const auto after = state_dict(*net);
+  ASSERT_EQ(before.size(), after.size());
+  auto a = before.begin();
+  auto b = after.begin();
+  for (; a != before.end(); ++a, ++b) {
+    EXPECT_EQ(a->key(), b->key());
+    EXPECT_TRUE(torch::equal(a->value(), b->value())) << a->key();
+  }
+  int converted = 0;
+  for (const auto& child : net->named_children()) {
+    const bool is_bn = child.key() == "bn1" || child.key() == "bn2";
+    EXPECT_EQ(std::dynamic_pointer_cast<SyncBatchNormImpl>(child.value()) != nullptr, is_bn) << child.key();
+    converted += is_bn;
+  }
+  EXPECT_EQ(converted, 2);
+  // The same tensors, not copies: an optimiser built before the conversion still updates the model.
+  EXPECT_EQ(std::dynamic_pointer_cast<SyncBatchNormImpl>(net->named_children()["bn2"])->weight.data_ptr(),
+            weight_before);
+}
+
+}  // namespace
+}  // namespace mnist_ddp
