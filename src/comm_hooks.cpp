@@ -1,8 +1,52 @@
 #include "mnist_ddp/comm_hooks.hpp"
 
-#include "mnist_ddp/options.hpp"
+#include <cmath>
+#include <limits>
 
 namespace mnist_ddp {
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Draws Gaussian values into `q` from `seed` on the CPU, whatever q's device,
+// so every rank draws the same numbers.
+void fill_gaussian(torch::Tensor& q, uint64_t seed) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  q.copy_(torch::randn(q.sizes(), gen, q.options().device(torch::kCPU)));
+}
+
+// The tensor stored under `key`, moved to `device` (a loaded state lives on the CPU).
+torch::Tensor& on_device(std::map<size_t, torch::Tensor>& memory, size_t key, const torch::Device& device) {
+  torch::Tensor& t = memory.at(key);
+  if (t.device() != device) t = t.to(device);
+  return t;
+}
+
+// The error that `bucket` carries, a zero tensor shaped like `like` at first.
+torch::Tensor& carried_error(PowerSgdState& state, size_t bucket, const torch::Tensor& like) {
+  auto it = state.error.find(bucket);
+  if (it == state.error.end()) return state.error[bucket] = torch::zeros_like(like);
+  TORCH_CHECK(it->second.numel() == like.numel(), "PowerSGD: the saved error of bucket ", bucket, " has ",
+              it->second.numel(), " elements, the bucket ", like.numel(), " (a different model or bucket layout?)");
+  return on_device(state.error, bucket, like.device());
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> same_layout(const GradBucket& bucket, const torch::Tensor& flat) {
+  std::vector<torch::Tensor> views;
+  int64_t at = 0;
+  for (const auto& g : bucket.gradients) {
+    views.push_back(flat.slice(0, at, at + g.numel()).view(g.sizes()));
+    at += g.numel();
+  }
+  return views;
+}
 
 FuturePtr completed_future(const torch::Tensor& tensor) {
   auto future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
@@ -25,8 +69,43 @@ FuturePtr Wire::allreduce_mean(torch::Tensor tensor) {
 FuturePtr GroupWire::allreduce_sum(torch::Tensor tensor) {
   elements_ += tensor.numel();
   bytes_ += tensor.numel() * static_cast<int64_t>(tensor.element_size());
+  constexpr int64_t kRingFrom = 1 << 16;  // elements
+  if (tensor.scalar_type() == torch::kHalf && tensor.is_cpu() && tensor.numel() >= kRingFrom && world_size() > 1) {
+    ring_allreduce(tensor);
+    return completed_future(tensor);
+  }
   std::vector<at::Tensor> tensors{tensor};
   return group_->allreduce(tensors)->getFuture();
+}
+
+// Reduce-scatter then allgather round the ring rank -> rank + 1: each rank
+// sends 2 (W - 1) / W of the tensor, as Gloo's ring does.
+void GroupWire::ring_allreduce(torch::Tensor& tensor) {
+  const int world = world_size(), rank = group_->getRank();
+  const int next = (rank + 1) % world, prev = (rank + world - 1) % world;
+  const int64_t n = tensor.numel(), chunk = (n + world - 1) / world;
+  auto padded = torch::zeros({chunk * world}, tensor.options());
+  padded.slice(0, 0, n).copy_(tensor.reshape(-1));
+  auto chunks = padded.view({world, chunk});
+  auto incoming = torch::empty({chunk}, tensor.options());
+  auto exchange = [&](const torch::Tensor& out, const torch::Tensor& in) {
+    std::vector<at::Tensor> send{out}, recv{in};
+    const int tag = tag_;
+    tag_ = (tag_ + 1) % (1 << 30);
+    auto sent = group_->send(send, next, tag);
+    group_->recv(recv, prev, tag)->wait();
+    sent->wait();
+  };
+  for (int s = 0; s < world - 1; ++s) {  // chunk (rank - s - 1) collects every rank's part
+    const int64_t out = (rank - s + world) % world, in = (rank - s - 1 + world) % world;
+    exchange(chunks[out], incoming);
+    chunks[in].copy_(chunks[in].to(torch::kFloat32).add_(incoming.to(torch::kFloat32)));
+  }
+  for (int s = 0; s < world - 1; ++s) {  // pass the finished chunks round
+    const int64_t out = (rank + 1 - s + world) % world, in = (rank - s + world) % world;
+    exchange(chunks[out], chunks[in]);
+  }
+  tensor.copy_(padded.slice(0, 0, n).view_as(tensor));
 }
 
 FuturePtr Fp16Wire::send_half(torch::Tensor tensor, torch::Tensor half) {
@@ -42,7 +121,9 @@ FuturePtr Fp16Wire::send_half(torch::Tensor tensor, torch::Tensor half) {
 FuturePtr Fp16Wire::allreduce_sum(torch::Tensor tensor) { return send_half(tensor, tensor.to(torch::kHalf)); }
 
 FuturePtr Fp16Wire::allreduce_mean(torch::Tensor tensor) {
-  return send_half(tensor, (tensor / world_size()).to(torch::kHalf));
+  auto half = torch::empty(tensor.sizes(), tensor.options().dtype(torch::kHalf));
+  torch::div_out(half, tensor, world_size());  // divided in float32, stored in float16: one pass
+  return send_half(tensor, half);
 }
 
 FuturePtr AllreduceHook::run(GradBucket& bucket, Wire& wire) { return wire.allreduce_mean(bucket.buffer); }
@@ -54,10 +135,216 @@ FuturePtr Fp16Wrapper::run(GradBucket& bucket, Wire& wire) {
   return result;
 }
 
-std::unique_ptr<CommHook> make_comm_hook(const std::string& compression) {
+uint64_t PowerSgdState::next_seed() { return splitmix64(options.seed + draws++); }
+
+void PowerSgdState::finish_step() { ++iter; }
+
+HookState PowerSgdState::save() const {
+  HookState s;
+  s["iter"] = torch::tensor(iter, torch::kInt64);
+  s["draws"] = torch::tensor(static_cast<int64_t>(draws), torch::kInt64);
+  for (const auto& [b, t] : error) s["rank/error/" + std::to_string(b)] = t.detach().cpu().clone();
+  for (const auto& [b, t] : p_memory) s["p/" + std::to_string(b)] = t.detach().cpu().clone();
+  for (const auto& [b, t] : q_memory) s["q/" + std::to_string(b)] = t.detach().cpu().clone();
+  return s;
+}
+
+void PowerSgdState::load(const HookState& s) {
+  iter = s.at("iter").item<int64_t>();
+  draws = static_cast<uint64_t>(s.at("draws").item<int64_t>());
+  error.clear();
+  p_memory.clear();
+  q_memory.clear();
+  for (const auto& [key, t] : s) {
+    for (auto [prefix, memory] : {std::pair{"rank/error/", &error}, {"p/", &p_memory}, {"q/", &q_memory}}) {
+      const std::string pre = prefix;
+      if (key.compare(0, pre.size(), pre) == 0) (*memory)[std::stoul(key.substr(pre.size()))] = t.clone();
+    }
+  }
+}
+
+void orthogonalize(torch::Tensor& matrix, double epsilon) {
+  const int64_t cols = matrix.size(1);
+  for (int64_t i = 0; i < cols; ++i) {
+    auto col = matrix.narrow(1, i, 1);
+    auto norm = col.norm();
+    if (epsilon == 0) {
+      norm.clamp_min_(std::numeric_limits<float>::min());  // a zero column stays zero, never NaN
+    } else {
+      norm.add_(epsilon);
+    }
+    col.div_(norm);
+    if (i + 1 < cols) {
+      auto rest = matrix.narrow(1, i + 1, cols - i - 1);
+      rest.sub_((col * rest).sum(0, /*keepdim=*/true) * col);
+    }
+  }
+}
+
+// Note on error feedback: each rank compresses M = its gradient + the error
+// it carries, and keeps as its new error M minus what all ranks agreed on.
+// The errors then sum to zero over ranks wherever nothing was lost, and the
+// sum of applied updates plus the mean error equals the sum of the true
+// averaged gradients. M is built in the error's own buffer (error += g, and
+// later error -= result), which saves PyTorch's copy of the bucket.
+
+FuturePtr PowerSgdHook::run(GradBucket& bucket, Wire& wire) {
+  PowerSgdState& st = state_;
+  const PowerSgdOptions& opt = st.options;
+  torch::Tensor& input = bucket.buffer;
+  if (st.iter < opt.start_iter) {
+    if (bucket.is_last) st.finish_step();
+    return wire.allreduce_mean(input);
+  }
+  const size_t b = bucket.index;
+  torch::Tensor error;
+  std::vector<torch::Tensor> sources = bucket.gradients;  // what to compress: the views of M
+  if (opt.error_feedback) {
+    error = carried_error(st, b, input);
+    error.add_(input);
+    sources = same_layout(bucket, error);
+  }
+
+  // Which gradients to compress: those where P and Q are worth it.
+  std::vector<torch::Tensor> matrices, results, uncompressed, destinations;
+  std::vector<int64_t> ranks;
+  int64_t p_size = 0, q_size = 0;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const auto& g = bucket.gradients[i];
+    const int64_t n = g.dim() ? g.size(0) : 1;
+    const int64_t m = g.numel() / n;
+    const int64_t r = std::min<int64_t>({n, m, opt.rank});
+    if (static_cast<double>((n + m) * r) * opt.min_compression_rate < static_cast<double>(n * m)) {
+      matrices.push_back(sources[i].reshape({n, m}));
+      results.push_back(g.reshape({n, m}));
+      ranks.push_back(r);
+      p_size += n * r;
+      q_size += m * r;
+    } else {
+      uncompressed.push_back(sources[i]);
+      destinations.push_back(g);
+    }
+  }
+
+  // Uncompressed gradients: one allreduce, in flight while P is computed.
+  torch::Tensor flat;
+  FuturePtr flat_done;
+  if (!uncompressed.empty()) {
+    std::vector<torch::Tensor> parts;
+    for (const auto& g : uncompressed) parts.push_back(g.reshape(-1));
+    flat = torch::cat(parts);
+    flat_done = wire.allreduce_mean(flat);
+  }
+
+  if (!matrices.empty()) {
+    const bool fresh = !opt.warm_start || !st.p_memory.count(b);
+    if (fresh) {
+      st.p_memory[b] = torch::empty({p_size}, input.options());
+      st.q_memory[b] = torch::empty({q_size}, input.options());
+    }
+    torch::Tensor& p_memory = on_device(st.p_memory, b, input.device());
+    torch::Tensor& q_memory = on_device(st.q_memory, b, input.device());
+    TORCH_CHECK(p_memory.numel() == p_size && q_memory.numel() == q_size,
+                "PowerSGD: the saved P/Q of bucket ", b, " do not fit its gradients");
+    std::vector<torch::Tensor> ps, qs;
+    for (size_t i = 0, p_at = 0, q_at = 0; i < matrices.size(); ++i) {
+      const int64_t n = matrices[i].size(0), m = matrices[i].size(1), r = ranks[i];
+      ps.push_back(p_memory.slice(0, p_at, p_at + n * r).view({n, r}));
+      qs.push_back(q_memory.slice(0, q_at, q_at + m * r).view({m, r}));
+      p_at += n * r;
+      q_at += m * r;
+    }
+    if (fresh) fill_gaussian(q_memory, st.next_seed());
+    for (auto& q : qs) orthogonalize(q, opt.orthogonalization_epsilon);
+
+    for (size_t i = 0; i < matrices.size(); ++i) torch::mm_out(ps[i], matrices[i], qs[i]);
+    // P is orthonormalised next, so its scale is irrelevant: averaging
+    // instead of PyTorch's sum keeps float16 sums finite.
+    wire.allreduce_mean(p_memory)->waitAndThrow();
+    for (auto& p : ps) orthogonalize(p, opt.orthogonalization_epsilon);
+    for (size_t i = 0; i < matrices.size(); ++i) torch::mm_out(qs[i], matrices[i].t(), ps[i]);
+    wire.allreduce_mean(q_memory)->waitAndThrow();
+    for (size_t i = 0; i < matrices.size(); ++i) torch::mm_out(results[i], ps[i], qs[i].t());
+    if (!opt.warm_start) {
+      st.p_memory.erase(b);
+      st.q_memory.erase(b);
+    }
+  }
+
+  if (flat_done) {
+    flat_done->waitAndThrow();
+    int64_t at = 0;
+    for (auto& g : destinations) {
+      g.copy_(flat.slice(0, at, at + g.numel()).view_as(g));
+      at += g.numel();
+    }
+  }
+  if (opt.error_feedback) error.sub_(input);
+  if (bucket.is_last) st.finish_step();
+  return completed_future(input);
+}
+
+FuturePtr BatchedPowerSgdHook::run(GradBucket& bucket, Wire& wire) {
+  PowerSgdState& st = state_;
+  const PowerSgdOptions& opt = st.options;
+  torch::Tensor& input = bucket.buffer;
+  if (st.iter < opt.start_iter) {
+    if (bucket.is_last) st.finish_step();
+    return wire.allreduce_mean(input);
+  }
+  const size_t b = bucket.index;
+  const int64_t total = input.numel();
+  auto side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(total))));
+  while (side * side < total) ++side;
+  while (side > 1 && (side - 1) * (side - 1) >= total) --side;
+  const int64_t r = std::min<int64_t>(opt.rank, side);
+
+  // M: the bucket zero-padded to side x side, plus the carried error.
+  torch::Tensor padded = torch::zeros({side * side}, input.options());
+  torch::Tensor error;
+  if (opt.error_feedback) {
+    error = carried_error(st, b, padded);
+    error.slice(0, 0, total).add_(input);
+    padded = error;
+  } else {
+    padded.slice(0, 0, total).copy_(input);
+  }
+  const torch::Tensor matrix = padded.view({side, side});
+
+  const bool fresh = !opt.warm_start || !st.p_memory.count(b);
+  if (fresh) {
+    st.p_memory[b] = torch::empty({side, r}, input.options());
+    st.q_memory[b] = torch::empty({side, r}, input.options());
+    fill_gaussian(st.q_memory[b], st.next_seed());
+  }
+  torch::Tensor& p = on_device(st.p_memory, b, input.device());
+  torch::Tensor& q = on_device(st.q_memory, b, input.device());
+  TORCH_CHECK(p.size(0) == side && p.size(1) == r, "PowerSGD: the saved P of bucket ", b, " does not fit it");
+  orthogonalize(q, opt.orthogonalization_epsilon);
+  torch::mm_out(p, matrix, q);
+  wire.allreduce_mean(p)->waitAndThrow();
+  orthogonalize(p, opt.orthogonalization_epsilon);
+  torch::mm_out(q, matrix.t(), p);
+  wire.allreduce_mean(q)->waitAndThrow();
+  const torch::Tensor result = torch::mm(p, q.t()).view(-1);
+  if (!opt.warm_start) {
+    st.p_memory.erase(b);
+    st.q_memory.erase(b);
+  }
+  if (opt.error_feedback) error.sub_(result);
+  input.copy_(result.slice(0, 0, total));
+  if (bucket.is_last) st.finish_step();
+  return completed_future(input);
+}
+
+std::unique_ptr<CommHook> make_comm_hook(const std::string& compression, const PowerSgdOptions& powersgd) {
   if (compression == "none") return std::make_unique<AllreduceHook>();
   if (compression == "fp16") return std::make_unique<Fp16Wrapper>(std::make_unique<AllreduceHook>());
-  throw UsageError("--compression " + compression + ": not available in this build");
+  if (compression == "powersgd") return std::make_unique<PowerSgdHook>(powersgd);
+  if (compression == "powersgd_fp16") return std::make_unique<Fp16Wrapper>(std::make_unique<PowerSgdHook>(powersgd));
+  if (compression == "batched_powersgd_fp16")
+    return std::make_unique<Fp16Wrapper>(std::make_unique<BatchedPowerSgdHook>(powersgd));
+  throw UsageError("--compression " + compression + ": unknown");
 }
 
 }  // namespace mnist_ddp

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <chrono>
 #include <map>
 #include <sstream>
 
@@ -214,7 +215,9 @@ void DistributedDataParallelImpl::mark_ready(size_t p) {
 void DistributedDataParallelImpl::finalize_backward() {
   std::unique_lock<std::mutex> lock(mutex_);
   expecting_backward_ = false;
+  const auto start = std::chrono::steady_clock::now();
   cv_.wait(lock, [this] { return completed_ == next_launch_; });
+  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (next_launch_ < buckets_.size()) {
     std::string missing;
     for (size_t p = 0; p < params_.size(); ++p)

@@ -162,6 +162,12 @@ class Launcher {
     env.push_back("MASTER_ADDR=" + opts_.master_addr);
     env.push_back("MASTER_PORT=" + std::to_string(port));
     if (report_fd >= 0) env.push_back("MNIST_DDP_PORT_FD=" + std::to_string(report_fd));
+    // Each worker's share of the cores, for every OpenMP pool it starts
+    // (ATen's and OpenBLAS's, on any thread), unless the user set one.
+    if (!std::getenv("OMP_NUM_THREADS")) {
+      const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+      env.push_back("OMP_NUM_THREADS=" + std::to_string(std::max(1, cores / n)));
+    }
 
     std::vector<char*> envp, args;
     for (auto& s : env) envp.push_back(s.data());

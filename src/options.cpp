@@ -119,6 +119,21 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "Gradient bucket size in MB (the first bucket is at most 1 MB)")
       ->check(positive("a positive number"));
 
+  auto& ps = o.powersgd;
+  app.add_option("--powersgd-rank", ps.rank, "PowerSGD matrix approximation rank")->check(positive("a positive integer"));
+  app.add_option("--start-powersgd-iter", ps.start_iter, "Steps of plain allreduce before PowerSGD starts")
+      ->check(at_least(0, "an integer >= 0"));
+  app.add_option("--min-compression-rate", ps.min_compression_rate,
+                 "PowerSGD compresses a matrix only when it saves at least this factor")
+      ->check(positive("a positive number"));
+  bool no_error_feedback = false, no_warm_start = false;
+  app.add_flag("--no-error-feedback", no_error_feedback, "PowerSGD: drop the compression error instead of carrying it");
+  app.add_flag("--no-warm-start", no_warm_start, "PowerSGD: draw a fresh Q every step");
+  app.add_option("--orthogonalization-epsilon", ps.orthogonalization_epsilon,
+                 "PowerSGD: added to column norms when orthogonalising")
+      ->check(at_least(0, "a number >= 0"));
+  app.add_option("--powersgd-seed", ps.seed, "PowerSGD: seed of Q's initial draws");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -128,8 +143,19 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
     throw UsageError(one_line(e, app));
   }
 
+  ps.error_feedback = !no_error_feedback;
+  ps.warm_start = !no_warm_start;
+  if ((ps.error_feedback || ps.warm_start) && ps.start_iter <= 1)
+    throw UsageError("--start-powersgd-iter " + std::to_string(ps.start_iter) +
+                     ": must be > 1 while error feedback or warm start is on (PowerSGD needs plain steps first); "
+                     "raise it or pass --no-error-feedback --no-warm-start");
+
   for (const CLI::Option* opt : app.get_options()) {
     if (opt == app.get_help_ptr()) continue;
+    if (opt->get_expected_min() == 0) {  // a flag
+      o.arguments.emplace_back(python_name(opt), opt->count() ? "true" : "false");
+      continue;
+    }
     const_cast<CLI::Option*>(opt)->capture_default_str();  // the value as parsed
     o.arguments.emplace_back(python_name(opt), opt->get_default_str());
   }

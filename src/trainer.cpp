@@ -55,6 +55,16 @@ std::string error_line(const std::exception& e) {
   return msg.substr(0, msg.find('\n'));
 }
 
+// Where the training steps' time went, and what they sent.
+struct StepStats {
+  int64_t steps = 0;
+  int64_t images = 0;  // over all ranks
+  double seconds = 0, forward = 0, backward = 0, waiting = 0, optimizer = 0;
+  // Over the steps taken once compression had started.
+  int64_t compressed_steps = 0;
+  int64_t wire_bytes = 0;
+};
+
 class Trainer {
  public:
   Trainer(const Options& opts, Dist& dist);
@@ -65,6 +75,7 @@ class Trainer {
   void log_train(int epoch, int64_t batch, int64_t batches, const torch::Tensor& loss, const torch::Tensor& output,
                  const torch::Tensor& labels);
   void evaluate(int epoch);
+  void log_summary() const;
 
   const Options& opts_;
   Dist& dist_;
@@ -77,6 +88,7 @@ class Trainer {
   std::unique_ptr<torch::optim::SGD> optimizer_;
   int64_t step_ = 0;
   double best_accuracy_ = 0;
+  StepStats stats_;
 };
 
 Trainer::Trainer(const Options& opts, Dist& dist)
@@ -98,8 +110,17 @@ Trainer::Trainer(const Options& opts, Dist& dist)
   net_ = Net();
   convert_sync_batchnorm(*net_, dist.group);
   net_->to(dist.device);
-  ddp_ = DistributedDataParallel(torch::nn::AnyModule(net_), dist, make_comm_hook(opts.compression), opts.bucket_cap_mb);
+  ddp_ = DistributedDataParallel(torch::nn::AnyModule(net_), dist, make_comm_hook(opts.compression, opts.powersgd), opts.bucket_cap_mb);
   for (const auto& line : ddp_->describe_buckets()) spdlog::info("DDP {}", line);
+  spdlog::info("Communication hook: {}", ddp_->hook().name());
+  if (opts.compression.find("powersgd") != std::string::npos) {
+    const auto& p = opts.powersgd;
+    spdlog::info(
+        "PowerSGD config: matrix_approximation_rank = {}; start_powerSGD_iter = {}; min_compression_rate = {}; "
+        "use_error_feedback = {}; warm_start = {}; orthogonalization_epsilon = {}; random_seed = {}",
+        p.rank, p.start_iter, p.min_compression_rate, p.error_feedback, p.warm_start, p.orthogonalization_epsilon,
+        p.seed);
+  }
   // Dropout draws differ across ranks, as they would in separate processes.
   torch::manual_seed(opts.seed + 1000 * static_cast<uint64_t>(dist.rank + 1));
 
@@ -117,6 +138,7 @@ void Trainer::run() {
     evaluate(epoch);
     if (!more) break;
   }
+  log_summary();
   dist_.group->barrier()->wait();  // nobody leaves while a peer still needs the store
 }
 
@@ -126,30 +148,57 @@ bool Trainer::train_epoch(int epoch) {
   const torch::Tensor indices = sampler_.indices();
   const int64_t batches = num_batches(indices.size(0), opts_.batch_size);
   const auto start = Clock::now();
-  int64_t images = 0;
-  for (int64_t b = 0; b < batches; ++b) {
+  const int64_t bytes_at_start = ddp_->wire().bytes_sent(), elements_at_start = ddp_->wire().elements_sent();
+  int64_t steps = 0, images = 0;
+  bool stop = false;
+  for (int64_t b = 0; b < batches && !stop; ++b) {
     auto [x, y] = get_batch(train_, indices, b, opts_.batch_size);
     x = x.to(dist_.device, /*non_blocking=*/true);
     y = y.to(dist_.device, /*non_blocking=*/true);
+    const bool compressed = ddp_->hook().compression_started();
+    if (compressed && stats_.compressed_steps == 0 && opts_.compression.find("powersgd") != std::string::npos)
+      spdlog::info("Start to apply PowerSGD after {} iterations.", step_);
+    const int64_t bytes_before = ddp_->wire().bytes_sent();
+    const double waiting_before = ddp_->communication_wait_seconds();
+
+    const auto t0 = Clock::now();
     optimizer_->zero_grad();
     const torch::Tensor output = ddp_->forward(x);
     // The model ends in log_softmax, so the reference's cross-entropy on its
     // output equals the negative log-likelihood of that output.
     const torch::Tensor loss = torch::nll_loss(output, y);
+    const auto t1 = Clock::now();
     loss.backward();
+    const auto t2 = Clock::now();
     optimizer_->step();
+    const auto t3 = Clock::now();
+
+    stats_.forward += std::chrono::duration<double>(t1 - t0).count();
+    stats_.backward += std::chrono::duration<double>(t2 - t1).count();
+    stats_.optimizer += std::chrono::duration<double>(t3 - t2).count();
+    stats_.waiting += ddp_->communication_wait_seconds() - waiting_before;
+    if (compressed) {
+      ++stats_.compressed_steps;
+      stats_.wire_bytes += ddp_->wire().bytes_sent() - bytes_before;
+    }
     ++step_;
-    images += y.size(0);
+    ++steps;
+    images += y.size(0) * dist_.world_size;
     if (b % opts_.log_interval == 0) log_train(epoch, b, batches, loss, output, y);
     if (opts_.max_steps > 0 && step_ >= opts_.max_steps) {
       spdlog::info("Stopping after --max-steps {} steps", opts_.max_steps);
-      return false;
+      stop = true;
     }
   }
   const double seconds = seconds_since(start);
-  spdlog::info("Epoch {}: {} steps in {:.1f} s, {:.0f} images/s", epoch, batches, seconds,
-               images * dist_.world_size / seconds);
-  return true;
+  stats_.steps += steps;
+  stats_.images += images;
+  stats_.seconds += seconds;
+  const int64_t per_step = std::max<int64_t>(1, steps);
+  spdlog::info("Epoch {}: {} steps in {:.1f} s, {:.0f} images/s; per step on the wire: {} elements, {} bytes", epoch,
+               steps, seconds, images / seconds, (ddp_->wire().elements_sent() - elements_at_start) / per_step,
+               (ddp_->wire().bytes_sent() - bytes_at_start) / per_step);
+  return !stop;
 }
 
 void Trainer::log_train(int epoch, int64_t batch, int64_t batches, const torch::Tensor& loss,
@@ -199,6 +248,27 @@ void Trainer::evaluate(int epoch) {
   spdlog::info("Current best test accuracy: {:.4f}%", best_accuracy_);
 }
 
+void Trainer::log_summary() const {
+  const StepStats& s = stats_;
+  if (s.steps == 0) return;
+  const double ms = 1000.0 / static_cast<double>(s.steps);
+  spdlog::info("Training: {} steps in {:.1f} s, {:.0f} images/s, {:.1f} ms/step (forward {:.1f}, backward {:.1f} of "
+               "which {:.1f} waiting on communication, optimizer {:.1f})",
+               s.steps, s.seconds, s.images / s.seconds, s.seconds * ms, s.forward * ms, s.backward * ms,
+               s.waiting * ms, s.optimizer * ms);
+  int64_t uncompressed = 0;  // what `none` sends each step
+  for (const auto& b : ddp_->buckets()) uncompressed += b.buffer.numel() * b.buffer.element_size();
+  double bytes = static_cast<double>(s.wire_bytes) / static_cast<double>(std::max<int64_t>(1, s.compressed_steps));
+  if (s.compressed_steps == 0) {
+    spdlog::warn("PowerSGD never started: --start-powersgd-iter {} is beyond the {} steps run; the next line is "
+                 "the plain allreduce's",
+                 opts_.powersgd.start_iter, s.steps);
+    bytes = static_cast<double>(ddp_->wire().bytes_sent()) / static_cast<double>(s.steps);
+  }
+  spdlog::info("Compression: {} {:.0f} bytes/step on the wire, {:.2f}x less than none", ddp_->hook().name(), bytes,
+               uncompressed / bytes);
+}
+
 void report_error(int rank, const std::string& message) {
   if (logging_ready()) {
     spdlog::error("error: {}", message);
@@ -219,10 +289,9 @@ void configure_worker_process(int local_workers) {
   // on 2 CPU workers (182 -> 81 ms per step measured). Keep freed memory.
   mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024);
   mallopt(M_TRIM_THRESHOLD, 1024 * 1024 * 1024);
-  if (!std::getenv("OMP_NUM_THREADS")) {
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    at::set_num_threads(std::max(1, cores / std::max(1, local_workers)));
-  }
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  at::set_num_threads(omp && std::atoi(omp) > 0 ? std::atoi(omp) : std::max(1, cores / std::max(1, local_workers)));
   at::set_num_interop_threads(1);
 }
 

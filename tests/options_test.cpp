@@ -82,5 +82,41 @@ TEST(Options, BadValuesNameTheFlagAndWhatIsAllowed) {
   }
 }
 
+TEST(Options, PowerSgdKnobs) {
+  const Options d = parse({});
+  EXPECT_EQ(d.powersgd.rank, 2);
+  EXPECT_EQ(d.powersgd.start_iter, 1000);
+  EXPECT_DOUBLE_EQ(d.powersgd.min_compression_rate, 2);
+  EXPECT_TRUE(d.powersgd.error_feedback);
+  EXPECT_TRUE(d.powersgd.warm_start);
+  EXPECT_DOUBLE_EQ(d.powersgd.orthogonalization_epsilon, 0);
+  EXPECT_EQ(d.powersgd.seed, 0u);
+  const Options o = parse({"--powersgd-rank", "4", "--start-powersgd-iter", "0", "--no-error-feedback",
+                           "--no-warm-start", "--orthogonalization-epsilon", "1e-8", "--powersgd-seed", "7",
+                           "--min-compression-rate", "3"});
+  EXPECT_EQ(o.powersgd.rank, 4);
+  EXPECT_EQ(o.powersgd.start_iter, 0);
+  EXPECT_FALSE(o.powersgd.error_feedback);
+  EXPECT_FALSE(o.powersgd.warm_start);
+  EXPECT_DOUBLE_EQ(o.powersgd.orthogonalization_epsilon, 1e-8);
+  EXPECT_EQ(o.powersgd.seed, 7u);
+  std::map<std::string, std::string> args(o.arguments.begin(), o.arguments.end());
+  EXPECT_EQ(args.at("no_error_feedback"), "true");
+  const std::map<std::string, std::string> defaults(d.arguments.begin(), d.arguments.end());
+  EXPECT_EQ(defaults.at("no_warm_start"), "false");
+}
+
+TEST(Options, PowerSgdNeedsPlainStepsBeforeErrorFeedbackOrWarmStart) {
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"--start-powersgd-iter", "1"}, {"--start-powersgd-iter", "0", "--no-warm-start"},
+           {"--start-powersgd-iter", "1", "--no-error-feedback"}}) {
+    const std::string msg = usage_error(args);
+    EXPECT_NE(msg.find("--start-powersgd-iter"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("must be > 1"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(usage_error({"--start-powersgd-iter", "0", "--no-warm-start", "--no-error-feedback"}), "(accepted)");
+  EXPECT_NE(usage_error({"--powersgd-rank", "0"}).find("--powersgd-rank"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace mnist_ddp

@@ -15,22 +15,33 @@
 #include <ATen/core/ivalue.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "mnist_ddp/dist.hpp"
+#include "mnist_ddp/options.hpp"
 
 namespace mnist_ddp {
 
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
+// A hook's state as named tensors, for checkpoints. Names starting with
+// "rank/" hold this rank's own values; all others are identical on every
+// rank.
+using HookState = std::map<std::string, torch::Tensor>;
+
 struct GradBucket {
   size_t index = 0;     // position in launch order
   bool is_last = false; // the last bucket of a step: per-step state advances here
   torch::Tensor buffer; // flat, this rank's gradients, not divided by world size
-  std::vector<torch::Tensor> gradients;  // views into buffer, shaped as the parameters
+  // Views into buffer, shaped as the parameters, lying in order without gaps.
+  std::vector<torch::Tensor> gradients;
 };
+
+// The gradients' shapes laid over `flat`, a tensor of the bucket's size.
+std::vector<torch::Tensor> same_layout(const GradBucket& bucket, const torch::Tensor& flat);
 
 // A future that is already complete with `tensor`.
 FuturePtr completed_future(const torch::Tensor& tensor);
@@ -51,6 +62,11 @@ class Wire {
 
 // The wire of a process group. Counts what this rank sends, per element and
 // per byte, as `elements x element size` of each allreduce.
+//
+// Large float16 tensors on CPU go round a ring of point-to-point transfers
+// that adds in float32: Gloo's own allreduce adds float16 one element at a
+// time, which made the fp16 hook slower than sending float32. Small ones
+// (PowerSGD's P and Q) stay with Gloo, whose allreduce runs asynchronously.
 class GroupWire : public Wire {
  public:
   explicit GroupWire(GroupPtr group) : group_(std::move(group)) {}
@@ -60,9 +76,12 @@ class GroupWire : public Wire {
   int64_t bytes_sent() const { return bytes_; }
 
  private:
+  void ring_allreduce(torch::Tensor& tensor);
+
   GroupPtr group_;
   int64_t elements_ = 0;
   int64_t bytes_ = 0;
+  int tag_ = 0;  // point-to-point tags, the same sequence on every rank
 };
 
 // Puts float16 on the wire below it: tensors are cast down before and back
@@ -85,9 +104,11 @@ class CommHook {
   // The --compression name.
   virtual std::string name() const = 0;
   virtual FuturePtr run(GradBucket& bucket, Wire& wire) = 0;
-  // Whether this step's buckets were compressed (false for `none`, and for
-  // PowerSGD before its start iteration).
-  virtual bool compressing() const { return false; }
+  // Whether the coming step compresses as fully as this hook ever will
+  // (false during PowerSGD's plain-allreduce warm-up).
+  virtual bool compression_started() const { return true; }
+  virtual HookState state() const { return {}; }
+  virtual void load_state(const HookState& state) {}
 };
 
 // none: allreduce of the bucket, divided by world size.
@@ -103,14 +124,73 @@ class Fp16Wrapper : public CommHook {
   explicit Fp16Wrapper(std::unique_ptr<CommHook> inner) : inner_(std::move(inner)) {}
   std::string name() const override { return inner_->name() == "none" ? "fp16" : inner_->name() + "_fp16"; }
   FuturePtr run(GradBucket& bucket, Wire& wire) override;
-  bool compressing() const override { return true; }
-  CommHook& inner() { return *inner_; }
+  bool compression_started() const override { return inner_->compression_started(); }
+  HookState state() const override { return inner_->state(); }
+  void load_state(const HookState& state) override { inner_->load_state(state); }
 
  private:
   std::unique_ptr<CommHook> inner_;
 };
 
+// What PowerSGD remembers between steps; the two PowerSGD hooks share it.
+struct PowerSgdState {
+  explicit PowerSgdState(const PowerSgdOptions& options) : options(options) {}
+
+  // A fresh seed for drawing Q, the same sequence on every rank.
+  uint64_t next_seed();
+  // Counts a step; call on its last bucket.
+  void finish_step();
+  HookState save() const;
+  void load(const HookState& state);
+
+  PowerSgdOptions options;
+  int64_t iter = 0;       // steps finished
+  uint64_t draws = 0;     // seeds drawn so far
+  std::map<size_t, torch::Tensor> error;     // bucket -> this rank's compression error
+  std::map<size_t, torch::Tensor> p_memory;  // bucket -> flat P of every compressed matrix
+  std::map<size_t, torch::Tensor> q_memory;  // bucket -> flat Q, reused when warm-starting
+};
+
+// Gram-Schmidt on the columns of `matrix` [n, r], in place. A column of
+// zeros stays zeros (no division by a zero norm); epsilon is added to each
+// norm as PyTorch does.
+void orthogonalize(torch::Tensor& matrix, double epsilon);
+
+// powersgd: per bucket, error feedback; each gradient seen as an n x m
+// matrix (n = its first dimension) is compressed to P [n, r] and Q [m, r]
+// when (n + m) r min_compression_rate < n m; all other gradients go
+// uncompressed in one allreduce, all P in one, all Q in one.
+class PowerSgdHook : public CommHook {
+ public:
+  explicit PowerSgdHook(const PowerSgdOptions& options) : state_(options) {}
+  std::string name() const override { return "powersgd"; }
+  FuturePtr run(GradBucket& bucket, Wire& wire) override;
+  bool compression_started() const override { return state_.iter >= state_.options.start_iter; }
+  HookState state() const override { return state_.save(); }
+  void load_state(const HookState& state) override { state_.load(state); }
+
+ private:
+  PowerSgdState state_;
+};
+
+// batched_powersgd: the whole bucket as one square matrix of side
+// ceil(sqrt(N)), zero-padded, compressed to P and Q of that side. Works on a
+// padded copy, so the bucket itself never changes size (PyTorch resizes it,
+// which is where its batched hook fails).
+class BatchedPowerSgdHook : public CommHook {
+ public:
+  explicit BatchedPowerSgdHook(const PowerSgdOptions& options) : state_(options) {}
+  std::string name() const override { return "batched_powersgd"; }
+  FuturePtr run(GradBucket& bucket, Wire& wire) override;
+  bool compression_started() const override { return state_.iter >= state_.options.start_iter; }
+  HookState state() const override { return state_.save(); }
+  void load_state(const HookState& state) override { state_.load(state); }
+
+ private:
+  PowerSgdState state_;
+};
+
 // The hook for a --compression value.
-std::unique_ptr<CommHook> make_comm_hook(const std::string& compression);
+std::unique_ptr<CommHook> make_comm_hook(const std::string& compression, const PowerSgdOptions& powersgd);
 
 }  // namespace mnist_ddp

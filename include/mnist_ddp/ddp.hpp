@@ -64,7 +64,11 @@ class DistributedDataParallelImpl : public torch::nn::Module {
 
   std::shared_ptr<torch::nn::Module> module() const { return module_.ptr(); }
   CommHook& hook() { return *hook_; }
+  const CommHook& hook() const { return *hook_; }
   const GroupWire& wire() const { return *wire_; }
+  // Seconds backward has spent, at its end, waiting for buckets still being
+  // communicated: the communication that did not overlap computation.
+  double communication_wait_seconds() const { return wait_seconds_; }
   // One line per bucket: index, parameters, elements, bytes.
   std::vector<std::string> describe_buckets() const;
   const std::vector<GradBucket>& buckets() const { return buckets_; }
@@ -100,6 +104,7 @@ class DistributedDataParallelImpl : public torch::nn::Module {
   std::deque<size_t> queue_;       // launched, waiting for the communication thread
   std::exception_ptr error_;
   bool stopping_ = false;
+  double wait_seconds_ = 0;
   std::thread comm_thread_;
 };
 TORCH_MODULE(DistributedDataParallel);

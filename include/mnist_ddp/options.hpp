@@ -17,6 +17,17 @@ namespace mnist_ddp {
 inline const std::vector<std::string> kCompressions = {
     "none", "fp16", "powersgd", "powersgd_fp16", "batched_powersgd_fp16"};
 
+// PyTorch's PowerSGDState knobs, with the reference's values.
+struct PowerSgdOptions {
+  int rank = 2;                      // matrix_approximation_rank
+  int64_t start_iter = 1000;         // plain allreduce before this step (start_powerSGD_iter)
+  double min_compression_rate = 2;   // compress an n x m matrix only if (n + m) r rate < n m
+  bool error_feedback = true;        // carry each rank's compression error into its next step
+  bool warm_start = true;            // reuse last step's Q instead of drawing a new one
+  double orthogonalization_epsilon = 0;  // added to column norms in Gram-Schmidt
+  uint64_t seed = 0;                 // seeds Q's initial draws, identically on every rank
+};
+
 struct Options {
   // --- The reference's flags. ---
   int batch_size = 32;        // training images per process and step
@@ -44,8 +55,9 @@ struct Options {
   std::uint64_t seed = 0;     // model init, data order and dropout
   std::int64_t max_steps = 0; // stop after this many training steps in total; 0: no limit
 
-  // --- DistributedDataParallel. ---
+  // --- DistributedDataParallel and its communication hook. ---
   double bucket_cap_mb = 25;  // gradient bucket size (the first bucket is capped at 1 MB)
+  PowerSgdOptions powersgd;   // for the powersgd* choices of `compression`
 
   // Every option as (name, value) in --help order, names spelled as the
   // reference's argparse attributes (batch_size, log_interval, ...). Logged at
