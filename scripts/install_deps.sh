@@ -9,6 +9,7 @@ packages=(
   libopenblas0-openmp             # becomes LibTorch's BLAS: 2x faster steps than the reference BLAS
   libcli11-dev libspdlog-dev libfmt-dev libgtest-dev zlib1g-dev
   python3 curl ca-certificates    # scripts/fetch_data.sh
+  python3-torch                   # tests: Python loads the models we save
 )
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }

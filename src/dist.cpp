@@ -1,6 +1,7 @@
 #include "mnist_ddp/dist.hpp"
 
 #include <arpa/inet.h>
+#include <dlfcn.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -14,10 +15,55 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <atomic>
+#include <cstring>
 #include <stdexcept>
+
+// Note on the store's address. LibTorch's TCPStore listens on every
+// interface and has no option to choose one, but a store reachable from the
+// network lets anyone there join or disturb the job. The mnist_ddp
+// executable exports this bind() (see CMakeLists.txt), so LibTorch's calls
+// land here: while rank 0 creates its store, a wildcard address is narrowed
+// to --master-addr's (loopback for a single-node run) and the IPv6 wildcard
+// is refused, so that the store falls back to that IPv4 address. Every other
+// bind passes through unchanged.
+namespace {
+std::atomic<in_addr_t> g_store_address{INADDR_NONE};
+}
+
+extern "C" int bind(int fd, const sockaddr* addr, socklen_t len) {
+  using Bind = int (*)(int, const sockaddr*, socklen_t);
+  static const auto real_bind = reinterpret_cast<Bind>(dlsym(RTLD_NEXT, "bind"));
+  const in_addr_t narrow = g_store_address.load();
+  if (narrow != INADDR_NONE && addr) {
+    if (addr->sa_family == AF_INET6 &&
+        IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr)) {
+      errno = EADDRNOTAVAIL;
+      return -1;
+    }
+    if (addr->sa_family == AF_INET && reinterpret_cast<const sockaddr_in*>(addr)->sin_addr.s_addr == INADDR_ANY) {
+      sockaddr_in narrowed = *reinterpret_cast<const sockaddr_in*>(addr);
+      narrowed.sin_addr.s_addr = narrow;
+      return real_bind(fd, reinterpret_cast<const sockaddr*>(&narrowed), sizeof narrowed);
+    }
+  }
+  return real_bind(fd, addr, len);
+}
 
 namespace mnist_ddp {
 namespace {
+
+// The IPv4 address `host` resolves to.
+in_addr_t ipv4_address(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0 || !res)
+    throw std::runtime_error("cannot resolve --master-addr " + host + " to an IPv4 address");
+  const in_addr_t address = reinterpret_cast<const sockaddr_in*>(res->ai_addr)->sin_addr.s_addr;
+  freeaddrinfo(res);
+  return address;
+}
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
@@ -73,9 +119,8 @@ GroupPtr Dist::new_group(const std::string& name) const {
   try {
     return create_group(prefixed, backend, rank, world_size, gloo_address, timeout);
   } catch (const std::exception& e) {
-    throw std::runtime_error("rank " + std::to_string(rank) + ": could not form the process group with all " +
-                             std::to_string(world_size) + " ranks within " + std::to_string(timeout.count() / 1000) +
-                             " s (" + error_text(e) + ")");
+    throw std::runtime_error("could not form the process group with all " + std::to_string(world_size) +
+                             " ranks within " + std::to_string(timeout.count() / 1000) + " s (" + error_text(e) + ")");
   }
 }
 
@@ -112,8 +157,11 @@ Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_se
   so.timeout = timeout;
   c10::intrusive_ptr<c10d::TCPStore> store;
   try {
+    if (so.isServer) g_store_address = ipv4_address(env.master_addr);
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    g_store_address = INADDR_NONE;
   } catch (const std::exception& e) {
+    g_store_address = INADDR_NONE;
     const std::string why = error_text(e);
     if (env.rank == 0) {
       if (why.find("Address already in use") != std::string::npos || why.find("errno: 98") != std::string::npos)
@@ -122,8 +170,8 @@ Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_se
       throw std::runtime_error("cannot host the rendezvous store on port " + std::to_string(env.master_port) + ": " +
                                why);
     }
-    throw std::runtime_error("rank " + std::to_string(env.rank) + ": could not reach the rendezvous store at " +
-                             env.master_addr + ":" + std::to_string(env.master_port) + " within " +
+    throw std::runtime_error("could not reach the rendezvous store at " + env.master_addr + ":" +
+                             std::to_string(env.master_port) + " within " +
                              std::to_string(static_cast<int64_t>(timeout_seconds)) + " s (" + why + ")");
   }
   if (env.port_report_fd >= 0) {
@@ -160,6 +208,36 @@ void broadcast(Group& group, at::Tensor& tensor, int root) {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   group.broadcast(tensors, opts)->wait();
+}
+
+std::vector<at::Tensor> gather_to_rank0(Group& group, const at::Tensor& tensor, const torch::Device& device) {
+  std::vector<at::Tensor> input{tensor.to(device).contiguous()};
+  std::vector<std::vector<at::Tensor>> output;
+  if (group.getRank() == 0) {
+    output.emplace_back();
+    for (int r = 0; r < group.getSize(); ++r) output[0].push_back(torch::empty_like(input[0]));
+  }
+  c10d::GatherOptions opts;
+  opts.rootRank = 0;
+  group.gather(output, input, opts)->wait();
+  std::vector<at::Tensor> out;
+  if (!output.empty())
+    for (auto& t : output[0]) out.push_back(t.cpu());
+  return out;
+}
+
+void broadcast_bytes(Group& group, std::vector<char>& bytes, const torch::Device& device) {
+  auto size = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64).to(device);
+  broadcast(group, size, 0);
+  const int64_t n = size.cpu().item<int64_t>();
+  auto data = group.getRank() == 0
+                  ? torch::from_blob(bytes.data(), {n}, torch::kUInt8).to(device, /*non_blocking=*/false, /*copy=*/true)
+                  : torch::empty({n}, torch::TensorOptions(torch::kUInt8).device(device));
+  broadcast(group, data, 0);
+  if (group.getRank() != 0) {
+    const auto cpu = data.cpu();
+    bytes.assign(static_cast<const char*>(cpu.data_ptr()), static_cast<const char*>(cpu.data_ptr()) + n);
+  }
 }
 
 }  // namespace mnist_ddp

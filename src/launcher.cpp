@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <set>
 #include <stdexcept>
 #include <thread>
@@ -108,8 +109,8 @@ class Launcher {
 
   ~Launcher() {
     stop_all();
-    if (signal_fd_ >= 0) close(signal_fd_);
-    if (port_fd_ >= 0) close(port_fd_);
+    for (int fd : {signal_fd_, port_fd_, error_fd_, error_write_fd_})
+      if (fd >= 0) close(fd);
     sigprocmask(SIG_SETMASK, &old_mask_, nullptr);
   }
 
@@ -124,6 +125,10 @@ class Launcher {
     if (sigprocmask(SIG_BLOCK, &mask, &old_mask_) != 0) fail_errno("sigprocmask");
     signal_fd_ = signalfd(-1, &mask, SFD_CLOEXEC);
     if (signal_fd_ < 0) fail_errno("signalfd");
+    int error_pipe[2];
+    if (pipe2(error_pipe, O_CLOEXEC | O_NONBLOCK) != 0) fail_errno("pipe");
+    error_fd_ = error_pipe[0];
+    error_write_fd_ = error_pipe[1];
 
     int port = opts_.master_port;
     if (port == 0) {
@@ -151,7 +156,8 @@ class Launcher {
       const std::string kv = *e;
       const std::string key = kv.substr(0, kv.find('='));
       static const std::set<std::string> ours = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                                 "MASTER_ADDR", "MASTER_PORT", "MNIST_DDP_PORT_FD"};
+                                                 "MASTER_ADDR", "MASTER_PORT", "MNIST_DDP_PORT_FD",
+                                                 "MNIST_DDP_ERROR_FD"};
       if (!ours.count(key)) env.push_back(kv);
     }
     const int n = static_cast<int>(workers_.size());
@@ -162,6 +168,10 @@ class Launcher {
     env.push_back("MASTER_ADDR=" + opts_.master_addr);
     env.push_back("MASTER_PORT=" + std::to_string(port));
     if (report_fd >= 0) env.push_back("MNIST_DDP_PORT_FD=" + std::to_string(report_fd));
+    env.push_back("MNIST_DDP_ERROR_FD=" + std::to_string(error_write_fd_));
+    // LibTorch's own log lines (glog) would repeat, less clearly, what the
+    // worker reports as its error line.
+    if (!std::getenv("GLOG_minloglevel")) env.push_back("GLOG_minloglevel=3");
     // Each worker's share of the cores, for every OpenMP pool it starts
     // (ATen's and OpenBLAS's, on any thread), unless the user set one.
     if (!std::getenv("OMP_NUM_THREADS")) {
@@ -183,6 +193,7 @@ class Launcher {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (getppid() != parent) _exit(1);  // the launcher died before prctl
       if (report_fd >= 0) fcntl(report_fd, F_SETFD, 0);
+      fcntl(error_write_fd_, F_SETFD, 0);
       sigprocmask(SIG_SETMASK, &old_mask_, nullptr);
       execve("/proc/self/exe", args.data(), envp.data());
       _exit(127);
@@ -234,6 +245,21 @@ class Launcher {
     return 0;
   }
 
+  // Collects what the workers reported, keeping each rank's first message.
+  void read_errors() {
+    char buf[4096];
+    ssize_t got;
+    while ((got = read(error_fd_, buf, sizeof buf)) > 0) error_text_.append(buf, got);
+    size_t nl;
+    while ((nl = error_text_.find('\n')) != std::string::npos) {
+      const std::string line = error_text_.substr(0, nl);
+      error_text_.erase(0, nl + 1);
+      const size_t tab = line.find('\t');
+      if (tab == std::string::npos) continue;
+      errors_.emplace(std::atoi(line.substr(0, tab).c_str()), line.substr(tab + 1));
+    }
+  }
+
   // Returns -1 to keep going, else the launcher's exit code.
   int handle_signal() {
     signalfd_siginfo info;
@@ -251,8 +277,13 @@ class Launcher {
         if (w.pid != pid || !w.running) continue;
         w.running = false;
         if (status == 0) continue;
-        std::cerr << "mnist_ddp: worker rank " << w.rank << " (pid " << pid << ") " << describe_status(status)
-                  << "; stopping the other workers" << std::endl;
+        read_errors();  // a worker reports before it exits
+        if (const auto it = errors_.find(w.rank); it != errors_.end() && WIFEXITED(status)) {
+          std::cerr << "mnist_ddp: error: rank " << w.rank << ": " << it->second << std::endl;
+        } else {
+          std::cerr << "mnist_ddp: worker rank " << w.rank << " (pid " << pid << ") " << describe_status(status)
+                    << "; stopping the other workers" << std::endl;
+        }
         stop_all();
         return exit_code_of(status);
       }
@@ -288,6 +319,9 @@ class Launcher {
   sigset_t old_mask_{};
   int signal_fd_ = -1;
   int port_fd_ = -1;
+  int error_fd_ = -1, error_write_fd_ = -1;
+  std::string error_text_;
+  std::map<int, std::string> errors_;  // rank -> its first reported error
 };
 
 }  // namespace
@@ -335,6 +369,7 @@ std::optional<WorkerEnv> worker_env_from_environment() {
   const char* addr = std::getenv("MASTER_ADDR");
   env.master_addr = addr && *addr ? addr : "127.0.0.1";
   env.port_report_fd = env_int("MNIST_DDP_PORT_FD", -1);
+  env.error_report_fd = env_int("MNIST_DDP_ERROR_FD", -1);
   if (env.world_size < 1 || env.rank >= env.world_size)
     throw UsageError("environment: RANK=" + std::to_string(env.rank) + " is not below WORLD_SIZE=" +
                      std::to_string(env.world_size));
@@ -344,6 +379,15 @@ std::optional<WorkerEnv> worker_env_from_environment() {
   if (env.master_port == 0 && env.port_report_fd < 0)
     throw UsageError("environment: MASTER_PORT must name the rank-0 store's port");
   return env;
+}
+
+void report_worker_error(const WorkerEnv& env, const std::string& message) {
+  if (env.error_report_fd >= 0) {
+    // One write below PIPE_BUF: never interleaved with another worker's.
+    std::string line = std::to_string(env.rank) + "\t" + message.substr(0, 3000) + "\n";
+    if (write(env.error_report_fd, line.data(), line.size()) == static_cast<ssize_t>(line.size())) return;
+  }
+  std::cerr << "mnist_ddp: error: rank " << env.rank << ": " << message << std::endl;
 }
 
 int run_launcher(const Options& opts, const Placement& placement, const std::vector<std::string>& argv) {

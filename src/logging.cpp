@@ -11,6 +11,7 @@
 namespace mnist_ddp {
 namespace {
 bool g_ready = false;
+spdlog::sink_ptr g_file_sink;
 }
 
 void init_logging(const std::string& dir, int rank) {
@@ -20,7 +21,8 @@ void init_logging(const std::string& dir, int rank) {
   if (rank == 0) {
     const std::string file = (std::filesystem::path(dir) / "mnist_train.log").string();
     try {
-      sinks.push_back(std::make_shared<spdlog::sinks::basic_file_sink_mt>(file));
+      g_file_sink = std::make_shared<spdlog::sinks::basic_file_sink_mt>(file);
+      sinks.push_back(g_file_sink);
     } catch (const spdlog::spdlog_ex& e) {
       throw std::runtime_error("cannot open log file " + file + ": " + e.what());
     }
@@ -34,5 +36,13 @@ void init_logging(const std::string& dir, int rank) {
 }
 
 bool logging_ready() { return g_ready; }
+
+void log_error_to_file(const std::string& message) {
+  if (!g_file_sink) return;
+  spdlog::logger file_only("mnist_ddp", g_file_sink);
+  file_only.set_pattern("%m/%d %I:%M:%S %p | %v");
+  file_only.error("error: {}", message);
+  file_only.flush();
+}
 
 }  // namespace mnist_ddp

@@ -1,4 +1,6 @@
 // mnist_ddp: parse options, then either launch the workers or be one.
+#include <sys/stat.h>
+
 #include <iostream>
 #include <string>
 #include <vector>
@@ -9,6 +11,7 @@
 
 int main(int argc, char** argv) {
   using namespace mnist_ddp;
+  umask(umask(0) | S_IWOTH);  // nothing we create is world-writable, whatever the caller's umask
   try {
     const std::optional<Options> opts = parse_options(argc, argv);
     if (!opts) return 0;  // --help

@@ -72,6 +72,8 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
       "and compressed by the hook chosen with --compression.",
       "mnist_ddp"};
   app.option_defaults()->always_capture_default();
+  // As argparse does: an option given twice takes its last value.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.get_formatter()->column_width(34);
 
   app.add_option("--batch-size", o.batch_size, "Training images per process and step")
@@ -94,6 +96,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
 
   app.add_option("--gpus", o.gpus, "CUDA device ids, one worker each, e.g. 0,1 (default: all visible)")
       ->delimiter(',')
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
       ->check(at_least(0, "a device id >= 0"));
   app.add_option("--backend", o.backend, "Process group backend: nccl on CUDA, gloo on CPU")
       ->check(one_of({"auto", "nccl", "gloo"}));
@@ -116,6 +119,11 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
   app.add_option("--seed", o.seed, "Seed of model init, data order and dropout");
   app.add_option("--max-steps", o.max_steps, "Stop after this many training steps in total (0: no limit)")
       ->check(at_least(0, "an integer >= 0"));
+  app.add_option("--checkpoint-every", o.checkpoint_every,
+                 "Epochs between checkpoints into <path>/checkpoint (0: none); also written when --max-steps stops")
+      ->check(at_least(0, "an integer >= 0"));
+  app.add_option("--resume", o.resume,
+                 "Continue from a checkpoint directory, or 'auto': <path>/checkpoint when it holds one");
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "Gradient bucket size in MB (the first bucket is at most 1 MB)")
       ->check(positive("a positive number"));
 

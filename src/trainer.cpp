@@ -20,6 +20,10 @@
 #include "mnist_ddp/model.hpp"
 #include "mnist_ddp/sync_batch_norm.hpp"
 
+#include <ATen/core/Generator.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <type_traits>
+
 namespace mnist_ddp {
 namespace {
 
@@ -49,6 +53,26 @@ std::pair<torch::Tensor, torch::Tensor> correct_counts(const torch::Tensor& outp
   return {hit.select(1, 0).sum(), hit.sum()};
 }
 
+std::string checkpoint_dir(const Options& opts) { return (fs::path(opts.path) / "checkpoint").string(); }
+
+// The checkpoint --resume names, or "" for a fresh start.
+std::string resume_dir(const Options& opts) {
+  if (opts.resume != "auto") return opts.resume;
+  const std::string dir = checkpoint_dir(opts);
+  return has_checkpoint(dir) ? dir : "";
+}
+
+// The optimizer keys its state by parameter: by a string in LibTorch 1.x,
+// by a pointer in 2.x.
+template <typename Map>
+typename Map::key_type optimizer_key(const Map&, const torch::Tensor& parameter) {
+  if constexpr (std::is_same_v<typename Map::key_type, std::string>) {
+    return c10::guts::to_string(parameter.unsafeGetTensorImpl());
+  } else {
+    return static_cast<typename Map::key_type>(parameter.unsafeGetTensorImpl());
+  }
+}
+
 std::string error_line(const std::exception& e) {
   std::string msg = e.what();
   if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) msg = c10e->what_without_backtrace();
@@ -71,11 +95,17 @@ class Trainer {
   void run();
 
  private:
-  bool train_epoch(int epoch);  // false once --max-steps is reached
-  void log_train(int epoch, int64_t batch, int64_t batches, const torch::Tensor& loss, const torch::Tensor& output,
+  // Trains `epoch` from batch `first`; returns the batches of it done so far
+  // (fewer than all when --max-steps stopped it).
+  int64_t train_epoch(int64_t epoch, int64_t first);
+  bool max_steps_reached() const { return opts_.max_steps > 0 && step_ >= opts_.max_steps; }
+  void log_train(int64_t epoch, int64_t batch, int64_t batches, const torch::Tensor& loss, const torch::Tensor& output,
                  const torch::Tensor& labels);
-  void evaluate(int epoch);
+  void evaluate(int64_t epoch);
   void log_summary() const;
+  void restore(const TensorDict& training);
+  void save_checkpoint(int64_t epoch, int64_t batch);
+  TensorDict own_state() const;  // what only this rank has: RNG, hook error
 
   const Options& opts_;
   Dist& dist_;
@@ -87,6 +117,7 @@ class Trainer {
   torch::Tensor test_indices_;
   std::unique_ptr<torch::optim::SGD> optimizer_;
   int64_t step_ = 0;
+  int64_t start_epoch_ = 0, start_batch_ = 0;
   double best_accuracy_ = 0;
   StepStats stats_;
 };
@@ -108,6 +139,39 @@ Trainer::Trainer(const Options& opts, Dist& dist)
   // ---- Model: the reference's Net, BatchNorm made synchronous, then DDP. ----
   torch::manual_seed(opts.seed);
   net_ = Net();
+
+  // ---- Resume: rank 0 reads the checkpoint into the model (DDP then
+  // broadcasts it) and sends the rest to every rank. ----
+  TensorDict resumed;
+  if (const std::string dir = resume_dir(opts); !dir.empty()) {
+    std::vector<char> bytes;
+    if (dist.rank == 0) {
+      const Checkpoint c = load_checkpoint(dir);
+      load_state_dict(*net_, c.model, "module.", "checkpoint " + dir);
+      TensorDict t = c.training;
+      t.insert("meta/epoch", torch::tensor(c.epoch));
+      t.insert("meta/batch", torch::tensor(c.batch));
+      t.insert("meta/step", torch::tensor(c.step));
+      t.insert("meta/best_accuracy", torch::tensor(c.best_accuracy, torch::kFloat64));
+      t.insert("meta/same_world", torch::tensor(c.world_size == dist.world_size));
+      t.insert("meta/same_hook", torch::tensor(c.compression == opts.compression));
+      bytes = serialize(t);
+      spdlog::info("Resuming from {}: epoch {}, batch {}, step {}, best test accuracy {:.4f}%", dir, c.epoch, c.batch,
+                   c.step, c.best_accuracy);
+      if (c.world_size != dist.world_size)
+        spdlog::warn("The checkpoint was written by {} ranks and this run has {}: every rank's dropout stream and "
+                     "PowerSGD error feedback start afresh",
+                     c.world_size, dist.world_size);
+      if (c.compression != opts.compression)
+        spdlog::warn("The checkpoint was written with --compression {}: its hook state is not used by {}",
+                     c.compression, opts.compression);
+    }
+    broadcast_bytes(*dist.group, bytes, dist.device);
+    resumed = deserialize(bytes, "the checkpoint rank 0 sent");
+  } else if (opts.resume == "auto") {
+    spdlog::info("No checkpoint in {}: starting afresh", checkpoint_dir(opts));
+  }
+
   convert_sync_batchnorm(*net_, dist.group);
   net_->to(dist.device);
   ddp_ = DistributedDataParallel(torch::nn::AnyModule(net_), dist, make_comm_hook(opts.compression, opts.powersgd), opts.bucket_cap_mb);
@@ -127,31 +191,128 @@ Trainer::Trainer(const Options& opts, Dist& dist)
   // ---- Optimiser: SGD with momentum and weight decay. ----
   optimizer_ = std::make_unique<torch::optim::SGD>(
       ddp_->parameters(), torch::optim::SGDOptions(opts.lr).momentum(opts.momentum).weight_decay(opts.weight_decay));
+  if (!resumed.empty()) restore(resumed);
+}
+
+void Trainer::restore(const TensorDict& t) {
+  start_epoch_ = t.at("meta/epoch").item<int64_t>();
+  start_batch_ = t.at("meta/batch").item<int64_t>();
+  step_ = t.at("meta/step").item<int64_t>();
+  best_accuracy_ = t.at("meta/best_accuracy").item<double>();
+  const bool same_world = t.at("meta/same_world").item<bool>();
+  const bool same_hook = t.at("meta/same_hook").item<bool>();
+
+  auto& state = optimizer_->state();
+  for (const auto& p : ddp_->named_parameters()) {
+    const std::string key = "optimizer/momentum/" + p.key();
+    if (!t.contains(key)) continue;  // no momentum buffer yet
+    auto s = std::make_unique<torch::optim::SGDParamState>();
+    s->momentum_buffer(t.at(key).to(p.value().device()).clone());
+    state[optimizer_key(state, p.value())] = std::move(s);
+  }
+  const std::string own = "rank/" + std::to_string(dist_.rank) + "/";
+  if (same_world) {
+    auto cpu = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(cpu.mutex());
+    cpu.set_state(t.at(own + "rng/cpu"));
+    if (dist_.device.is_cuda()) {
+      auto cuda = at::globalContext().defaultGenerator(dist_.device);
+      std::lock_guard<std::mutex> cuda_lock(cuda.mutex());
+      cuda.set_state(t.at(own + "rng/cuda"));
+    }
+  }
+  if (same_hook) {
+    HookState hook;
+    for (const auto& item : t) {
+      const std::string& key = item.key();
+      if (key.rfind("hook/", 0) == 0) hook[key.substr(5)] = item.value();
+      if (same_world && key.rfind(own + "hook/", 0) == 0) hook["rank/" + key.substr(own.size() + 5)] = item.value();
+    }
+    if (!hook.empty()) ddp_->hook().load_state(hook);
+  }
+}
+
+TensorDict Trainer::own_state() const {
+  TensorDict t;
+  {
+    auto cpu = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(cpu.mutex());
+    t.insert("rng/cpu", cpu.get_state());
+  }
+  if (dist_.device.is_cuda()) {
+    auto cuda = at::globalContext().defaultGenerator(dist_.device);
+    std::lock_guard<std::mutex> lock(cuda.mutex());
+    t.insert("rng/cuda", cuda.get_state());
+  }
+  for (const auto& [key, value] : ddp_->hook().state())
+    if (key.rfind("rank/", 0) == 0) t.insert("hook/" + key.substr(5), value);
+  return t;
+}
+
+void Trainer::save_checkpoint(int64_t epoch, int64_t batch) {
+  // Every rank's own state on rank 0: the same keys in the same order everywhere.
+  const TensorDict own = own_state();
+  std::vector<std::pair<std::string, std::vector<torch::Tensor>>> gathered;
+  for (const auto& item : own)
+    gathered.emplace_back(item.key(), gather_to_rank0(*dist_.group, item.value(), dist_.device));
+  if (dist_.rank != 0) return;
+
+  Checkpoint c;
+  c.epoch = epoch;
+  c.batch = batch;
+  c.step = step_;
+  c.best_accuracy = best_accuracy_;
+  c.world_size = dist_.world_size;
+  c.compression = opts_.compression;
+  c.arguments = opts_.arguments;
+  c.model = state_dict(*ddp_);
+  const auto& state = optimizer_->state();
+  for (const auto& p : ddp_->named_parameters()) {
+    const auto it = state.find(optimizer_key(state, p.value()));
+    if (it == state.end()) continue;
+    const auto& buffer = static_cast<const torch::optim::SGDParamState&>(*it->second).momentum_buffer();
+    if (buffer.defined()) c.training.insert("optimizer/momentum/" + p.key(), buffer.detach().cpu().clone());
+  }
+  for (const auto& [key, value] : ddp_->hook().state())
+    if (key.rfind("rank/", 0) != 0) c.training.insert("hook/" + key, value);
+  for (const auto& [key, per_rank] : gathered)
+    for (size_t r = 0; r < per_rank.size(); ++r) c.training.insert("rank/" + std::to_string(r) + "/" + key, per_rank[r]);
+  const std::string dir = checkpoint_dir(opts_);
+  mnist_ddp::save_checkpoint(dir, c);
+  spdlog::info("Checkpoint saved to {} (epoch {}, batch {}, step {})", dir, epoch, batch, step_);
 }
 
 void Trainer::run() {
-  for (int epoch = 0; epoch < opts_.epochs; ++epoch) {
+  if (start_epoch_ >= opts_.epochs) spdlog::info("The checkpoint has finished all {} epochs: nothing to train", opts_.epochs);
+  const int64_t batches = num_batches(sampler_.num_samples(), opts_.batch_size);
+  for (int64_t epoch = start_epoch_; epoch < opts_.epochs && !max_steps_reached(); ++epoch) {
     // Cosine annealing to 0 over --epochs, stepped once per epoch.
-    const double lr = opts_.lr * (1 + std::cos(M_PI * epoch / opts_.epochs)) / 2;
+    const double lr = opts_.lr * (1 + std::cos(M_PI * static_cast<double>(epoch) / opts_.epochs)) / 2;
     static_cast<torch::optim::SGDOptions&>(optimizer_->param_groups()[0].options()).lr(lr);
-    const bool more = train_epoch(epoch);
+    const int64_t done = train_epoch(epoch, epoch == start_epoch_ ? start_batch_ : 0);
     evaluate(epoch);
-    if (!more) break;
+    const bool complete = done == batches;
+    if (opts_.checkpoint_every > 0 &&
+        (!complete || (epoch + 1) % opts_.checkpoint_every == 0 || epoch + 1 == opts_.epochs))
+      save_checkpoint(complete ? epoch + 1 : epoch, complete ? 0 : done);
   }
   log_summary();
   dist_.group->barrier()->wait();  // nobody leaves while a peer still needs the store
 }
 
-bool Trainer::train_epoch(int epoch) {
+int64_t Trainer::train_epoch(int64_t epoch, int64_t first) {
   ddp_->train();
   sampler_.set_epoch(epoch);
   const torch::Tensor indices = sampler_.indices();
   const int64_t batches = num_batches(indices.size(0), opts_.batch_size);
   const auto start = Clock::now();
   const int64_t bytes_at_start = ddp_->wire().bytes_sent(), elements_at_start = ddp_->wire().elements_sent();
-  int64_t steps = 0, images = 0;
-  bool stop = false;
-  for (int64_t b = 0; b < batches && !stop; ++b) {
+  int64_t steps = 0, images = 0, b = first;
+  for (; b < batches; ++b) {
+    if (max_steps_reached()) {
+      spdlog::info("Stopping after --max-steps {} steps", opts_.max_steps);
+      break;
+    }
     auto [x, y] = get_batch(train_, indices, b, opts_.batch_size);
     x = x.to(dist_.device, /*non_blocking=*/true);
     y = y.to(dist_.device, /*non_blocking=*/true);
@@ -167,6 +328,11 @@ bool Trainer::train_epoch(int epoch) {
     // The model ends in log_softmax, so the reference's cross-entropy on its
     // output equals the negative log-likelihood of that output.
     const torch::Tensor loss = torch::nll_loss(output, y);
+    if (const double value = loss.item<double>(); !std::isfinite(value))
+      throw std::runtime_error(fmt::format(
+          "the loss is {} at epoch {}, step {} (batch {}): training diverged; try a smaller --lr{}", value, epoch,
+          step_, b,
+          has_checkpoint(checkpoint_dir(opts_)) ? "; the last checkpoint in " + checkpoint_dir(opts_) + " is intact" : ""));
     const auto t1 = Clock::now();
     loss.backward();
     const auto t2 = Clock::now();
@@ -185,10 +351,6 @@ bool Trainer::train_epoch(int epoch) {
     ++steps;
     images += y.size(0) * dist_.world_size;
     if (b % opts_.log_interval == 0) log_train(epoch, b, batches, loss, output, y);
-    if (opts_.max_steps > 0 && step_ >= opts_.max_steps) {
-      spdlog::info("Stopping after --max-steps {} steps", opts_.max_steps);
-      stop = true;
-    }
   }
   const double seconds = seconds_since(start);
   stats_.steps += steps;
@@ -198,10 +360,10 @@ bool Trainer::train_epoch(int epoch) {
   spdlog::info("Epoch {}: {} steps in {:.1f} s, {:.0f} images/s; per step on the wire: {} elements, {} bytes", epoch,
                steps, seconds, images / seconds, (ddp_->wire().elements_sent() - elements_at_start) / per_step,
                (ddp_->wire().bytes_sent() - bytes_at_start) / per_step);
-  return !stop;
+  return b;
 }
 
-void Trainer::log_train(int epoch, int64_t batch, int64_t batches, const torch::Tensor& loss,
+void Trainer::log_train(int64_t epoch, int64_t batch, int64_t batches, const torch::Tensor& loss,
                         const torch::Tensor& output, const torch::Tensor& labels) {
   const auto [top1, top5] = correct_counts(output.detach(), labels);
   const double percent = 100.0 / static_cast<double>(labels.size(0));
@@ -215,7 +377,7 @@ void Trainer::log_train(int epoch, int64_t batch, int64_t batches, const torch::
                batch, batches, 100.0 * static_cast<double>(batch) / static_cast<double>(batches), m[0], m[1], m[2]);
 }
 
-void Trainer::evaluate(int epoch) {
+void Trainer::evaluate(int64_t epoch) {
   ddp_->eval();
   torch::NoGradGuard no_grad;
   // Sums over this rank's shard: loss, top-1 hits, top-5 hits, images.
@@ -269,16 +431,6 @@ void Trainer::log_summary() const {
                uncompressed / bytes);
 }
 
-void report_error(int rank, const std::string& message) {
-  if (logging_ready()) {
-    spdlog::error("error: {}", message);
-    spdlog::default_logger()->flush();
-  } else {
-    std::cerr << "mnist_ddp: " << (rank ? "rank " + std::to_string(rank) + ": " : "") << "error: " << message
-              << std::endl;
-  }
-}
-
 }  // namespace
 
 void configure_worker_process(int local_workers) {
@@ -298,6 +450,11 @@ void configure_worker_process(int local_workers) {
 void preflight(const Options& opts) {
   check_dataset_files(opts.data_dir, opts.dataset);
   prepare_output_dir(opts.path, /*announce=*/true);
+  if (const std::string dir = resume_dir(opts); !dir.empty()) {
+    const Checkpoint c = load_checkpoint(dir);
+    Net net;
+    load_state_dict(*net, c.model, "module.", "checkpoint " + dir);
+  }
 }
 
 int run_worker(const Options& opts, const WorkerEnv& env) {
@@ -311,10 +468,12 @@ int run_worker(const Options& opts, const WorkerEnv& env) {
     Trainer(opts, dist).run();
     return 0;
   } catch (const UsageError& e) {
-    report_error(env.rank, e.what());
+    log_error_to_file(e.what());
+    report_worker_error(env, e.what());
     code = 2;
   } catch (const std::exception& e) {
-    report_error(env.rank, error_line(e));
+    log_error_to_file(error_line(e));
+    report_worker_error(env, error_line(e));
   }
   // Leave without destructors: a process group or the DDP thread could wait
   // for peers that are gone.

@@ -56,6 +56,13 @@ TEST(Options, ReferenceSpellingsAndAliases) {
   EXPECT_EQ(args.at("log_interval"), "5");  // the parsed value, not the default
 }
 
+TEST(Options, AnOptionGivenTwiceTakesItsLastValueAsArgparseDoes) {
+  const Options o = parse({"--compression", "none", "--epochs", "3", "--compression", "fp16", "--gpus", "0,1"});
+  EXPECT_EQ(o.compression, "fp16");
+  EXPECT_EQ(o.epochs, 3);
+  EXPECT_EQ(o.gpus, (std::vector<int>{0, 1}));
+}
+
 TEST(Options, BadValuesNameTheFlagAndWhatIsAllowed) {
   struct Case {
     std::vector<std::string> args;

@@ -1,13 +1,62 @@
 // Files a run leaves behind, written so that a kill at any instant leaves
 // either the previous file or the new one, never a torn one.
+//
+// A checkpoint directory holds:
+//   manifest              text; names the files below with their sizes and
+//                         CRC32s, and the run's counters and arguments
+//   model-<step>.pt       the model's state dict, as Python's torch.save
+//                         writes it ("module.conv1.weight", ...)
+//   training-<step>.pt    everything else a resumed run needs, as a dict of
+//                         tensors: optimizer momentum, every rank's RNG and
+//                         hook state
+// The data files are written first, under names no manifest refers to yet;
+// the manifest is renamed into place last; then files no manifest refers
+// to are removed.
 #pragma once
 
 #include <torch/torch.h>
 
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mnist_ddp {
+
+using TensorDict = c10::Dict<std::string, torch::Tensor>;
+
+// A checkpoint that cannot be used: missing, truncated, corrupt or foreign.
+struct CheckpointError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Checkpoint {
+  int64_t epoch = 0;         // the epoch to continue in
+  int64_t batch = 0;         // batches of that epoch already trained (0 at an epoch boundary)
+  int64_t step = 0;          // training steps finished
+  double best_accuracy = 0;  // best test top-1 so far, in percent
+  int world_size = 1;
+  std::string compression;
+  std::vector<std::pair<std::string, std::string>> arguments;  // the run's options
+  TensorDict model;     // state dict, "module." names
+  TensorDict training;  // see above; "rank/<r>/..." entries belong to rank r
+};
+
+// Writes `checkpoint` into `dir`, creating it. `after_each_write`, if
+// given, is called with a description after each file operation (tests
+// use it to interrupt a save). Throws std::runtime_error naming the file.
+void save_checkpoint(const std::string& dir, const Checkpoint& checkpoint,
+                     const std::function<void(const std::string&)>& after_each_write = nullptr);
+
+// Whether `dir` holds a manifest.
+bool has_checkpoint(const std::string& dir);
+
+// Reads `dir`'s checkpoint and verifies every file against the manifest.
+// Throws CheckpointError saying what is wrong and what to do.
+Checkpoint load_checkpoint(const std::string& dir);
 
 // Writes `bytes` to a temporary file beside `path`, flushes it to disk and
 // renames it over `path`. Throws std::runtime_error naming the file.
@@ -16,10 +65,18 @@ void write_file_atomically(const std::string& path, const std::vector<char>& byt
 // The module's state as Python's Module.state_dict() lists it: each
 // module's parameters, then its buffers, then its children, depth first;
 // names joined with '.'. Tensors are detached CPU copies.
-c10::Dict<std::string, torch::Tensor> state_dict(const torch::nn::Module& module);
+TensorDict state_dict(const torch::nn::Module& module);
 
-// Saves a state dict in the format of Python's torch.save, so that
-// torch.load(path) returns a dict of tensors.
-void save_state_dict(const std::string& path, const c10::Dict<std::string, torch::Tensor>& state);
+// Copies `state` (names `prefix` + the module's own) into `module`'s
+// parameters and buffers. Throws CheckpointError, naming `what`, unless the
+// names and shapes match exactly.
+void load_state_dict(torch::nn::Module& module, const TensorDict& state, const std::string& prefix,
+                     const std::string& what);
+
+// Saves / loads a dict of tensors in the format of Python's torch.save, so
+// that torch.load(path) returns the dict.
+void save_state_dict(const std::string& path, const TensorDict& state);
+std::vector<char> serialize(const TensorDict& state);
+TensorDict deserialize(const std::vector<char>& bytes, const std::string& what);
 
 }  // namespace mnist_ddp

@@ -73,5 +73,10 @@ void use_device(const torch::Device& device);
 // Blocking collectives; a timeout or a lost peer throws.
 void allreduce_sum(Group& group, at::Tensor& tensor);
 void broadcast(Group& group, at::Tensor& tensor, int root = 0);
+// Every rank's `tensor` (same shape and dtype everywhere) on rank 0, in rank
+// order; an empty list elsewhere. `device` is where the group's tensors live.
+std::vector<at::Tensor> gather_to_rank0(Group& group, const at::Tensor& tensor, const torch::Device& device);
+// Rank 0's `bytes` on every rank.
+void broadcast_bytes(Group& group, std::vector<char>& bytes, const torch::Device& device);
 
 }  // namespace mnist_ddp

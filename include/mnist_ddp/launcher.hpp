@@ -43,7 +43,14 @@ struct WorkerEnv {
   // Set by our launcher on rank 0 when --master-port is 0: rank 0 binds a free
   // port and writes its number to this file descriptor.
   int port_report_fd = -1;
+  // Set by our launcher: a failing worker writes "<rank>\t<message>\n" here
+  // instead of printing it, so the user reads one line, not one per worker.
+  int error_report_fd = -1;
 };
+
+// Reports a worker's fatal error: to the launcher when it listens, else on
+// stderr; rank 0 also writes it to its log file.
+void report_worker_error(const WorkerEnv& env, const std::string& message);
 
 // The worker identity when this process was started as a worker (by our
 // launcher or an external one); nullopt when it should be the launcher.

@@ -17,4 +17,8 @@ void init_logging(const std::string& dir, int rank);
 // Whether init_logging() has run in this process.
 bool logging_ready();
 
+// Logs an error line to the log file only (rank 0), for errors whose
+// console line someone else prints.
+void log_error_to_file(const std::string& message);
+
 }  // namespace mnist_ddp

@@ -55,6 +55,10 @@ struct Options {
   std::uint64_t seed = 0;     // model init, data order and dropout
   std::int64_t max_steps = 0; // stop after this many training steps in total; 0: no limit
 
+  // --- Checkpoints. ---
+  int checkpoint_every = 1;   // epochs between checkpoints into <path>/checkpoint; 0: none
+  std::string resume;         // a checkpoint directory, "auto" (<path>/checkpoint if any), or "" (none)
+
   // --- DistributedDataParallel and its communication hook. ---
   double bucket_cap_mb = 25;  // gradient bucket size (the first bucket is capped at 1 MB)
   PowerSgdOptions powersgd;   // for the powersgd* choices of `compression`

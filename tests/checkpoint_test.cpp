@@ -1,0 +1,158 @@
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "mnist_ddp/checkpoint.hpp"
+#include "mnist_ddp/model.hpp"
+#include "test_util.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+using test::TempDir;
+
+Checkpoint sample(int64_t step) {
+  torch::manual_seed(step);
+  Checkpoint c;
+  c.epoch = step / 10;
+  c.batch = step % 10;
+  c.step = step;
+  c.best_accuracy = 97.123456789012345;
+  c.world_size = 3;
+  c.compression = "powersgd_fp16";
+  c.arguments = {{"batch_size", "32"}, {"path", "./a dir/with spaces/"}};
+  c.model.insert("module.fc.weight", torch::randn({4, 3}));
+  c.model.insert("module.bn.num_batches_tracked", torch::tensor(step));
+  c.training.insert("optimizer/momentum/module.fc.weight", torch::randn({4, 3}));
+  c.training.insert("rank/2/rng/cpu", torch::randint(0, 255, {5056}, torch::kUInt8));
+  return c;
+}
+
+void expect_same(const Checkpoint& a, const Checkpoint& b) {
+  EXPECT_EQ(a.epoch, b.epoch);
+  EXPECT_EQ(a.batch, b.batch);
+  EXPECT_EQ(a.step, b.step);
+  EXPECT_EQ(a.best_accuracy, b.best_accuracy);  // bit-exact round trip
+  EXPECT_EQ(a.world_size, b.world_size);
+  EXPECT_EQ(a.compression, b.compression);
+  EXPECT_EQ(a.arguments, b.arguments);
+  for (const auto* dicts : {&a.model, &a.training}) {
+    const auto& other = dicts == &a.model ? b.model : b.training;
+    ASSERT_EQ(dicts->size(), other.size());
+    for (const auto& item : *dicts) EXPECT_TRUE(torch::equal(item.value(), other.at(item.key()))) << item.key();
+  }
+}
+
+std::string checkpoint_error(const std::string& dir) {
+  try {
+    load_checkpoint(dir);
+  } catch (const CheckpointError& e) {
+    return e.what();
+  }
+  return "(loaded)";
+}
+
+std::string file_named(const std::string& dir, const std::string& role) {
+  std::ifstream in(dir + "/manifest");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("file " + role + " ", 0) == 0) return dir + "/" + line.substr(6 + role.size()).substr(0, line.substr(6 + role.size()).find(' '));
+  return "";
+}
+
+TEST(Checkpoint, RoundTripsEveryField) {
+  TempDir dir;
+  EXPECT_FALSE(has_checkpoint(dir / "ckpt"));
+  save_checkpoint(dir / "ckpt", sample(27));
+  EXPECT_TRUE(has_checkpoint(dir / "ckpt"));
+  expect_same(load_checkpoint(dir / "ckpt"), sample(27));
+}
+
+TEST(Checkpoint, ASaveInterruptedAnywhereLeavesThePreviousOneLoadable) {
+  TempDir dir;
+  const std::string ckpt = dir / "ckpt";
+  save_checkpoint(ckpt, sample(10));
+  // Count the file operations of one save, then interrupt a save after each.
+  std::vector<std::string> points;
+  save_checkpoint(dir / "probe", sample(11), [&](const std::string& what) { points.push_back(what); });
+  ASSERT_GE(points.size(), 4u);
+  for (size_t k = 0; k < points.size(); ++k) {
+    struct Interrupted {};
+    size_t seen = 0;
+    try {
+      save_checkpoint(ckpt, sample(20 + static_cast<int64_t>(k)), [&](const std::string&) {
+        if (seen++ == k) throw Interrupted{};
+      });
+    } catch (const Interrupted&) {
+    }
+    const Checkpoint loaded = load_checkpoint(ckpt);
+    // Before the manifest is renamed the old checkpoint stands, after it the new one.
+    const bool manifest_written = k >= 2;
+    expect_same(loaded, manifest_written ? sample(20 + static_cast<int64_t>(k)) : sample(10));
+    save_checkpoint(ckpt, sample(10));  // back to the first one for the next round
+  }
+  // No leftovers: a manifest and the two files it names.
+  int files = 0;
+  for (const auto& entry : test::fs::directory_iterator(ckpt)) files += entry.is_regular_file();
+  EXPECT_EQ(files, 3);
+}
+
+TEST(Checkpoint, DamagedOrForeignCheckpointsSayWhatIsWrong) {
+  TempDir dir;
+  const std::string ckpt = dir / "ckpt";
+  EXPECT_NE(checkpoint_error(dir / "nowhere").find("is not a directory holding a checkpoint"), std::string::npos);
+  test::fs::create_directories(ckpt);
+  EXPECT_NE(checkpoint_error(ckpt).find("no checkpoint in"), std::string::npos);
+
+  save_checkpoint(ckpt, sample(5));
+  const std::string training = file_named(ckpt, "training");
+  const auto size = test::fs::file_size(training);
+  test::fs::resize_file(training, size - 100);
+  auto msg = checkpoint_error(ckpt);
+  EXPECT_NE(msg.find(training + " is truncated (" + std::to_string(size - 100) + " of " + std::to_string(size)),
+            std::string::npos)
+      << msg;
+
+  save_checkpoint(ckpt, sample(6));
+  const std::string model = file_named(ckpt, "model");
+  {
+    std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(test::fs::file_size(model) / 2));
+    f.put('\x7f');
+  }
+  msg = checkpoint_error(ckpt);
+  EXPECT_NE(msg.find(model + " is corrupt"), std::string::npos) << msg;
+
+  save_checkpoint(ckpt, sample(7));
+  test::fs::remove(file_named(ckpt, "model"));
+  EXPECT_NE(checkpoint_error(ckpt).find("is missing"), std::string::npos);
+
+  test::write_file(ckpt + "/manifest", "{\"not\": \"ours\"}\n", false);
+  EXPECT_NE(checkpoint_error(ckpt).find("is not a mnist_ddp checkpoint manifest"), std::string::npos);
+}
+
+TEST(Checkpoint, AnotherModelIsRefusedByName) {
+  Net net;
+  TensorDict state = state_dict(*net);
+  EXPECT_NO_THROW(load_state_dict(*net, state, "", "x"));
+  TensorDict prefixed;
+  for (const auto& item : state) prefixed.insert("module." + item.key(), item.value());
+  EXPECT_NO_THROW(load_state_dict(*net, prefixed, "module.", "x"));
+
+  TensorDict wrong_shape = state.copy();
+  wrong_shape.insert_or_assign("fc2.weight", torch::zeros({11, 128}));
+  try {
+    load_state_dict(*net, wrong_shape, "", "checkpoint c");
+    FAIL();
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint c holds a different model: fc2.weight is [11, 128]"),
+              std::string::npos)
+        << e.what();
+  }
+  TensorDict missing = state.copy();
+  missing.erase("bn1.running_var");
+  EXPECT_THROW(load_state_dict(*net, missing, "", "c"), CheckpointError);
+}
+
+}  // namespace
+}  // namespace mnist_ddp

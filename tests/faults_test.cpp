@@ -1,0 +1,222 @@
+// Faults and bad input as users meet them: real processes, each asserting
+// the exit code, the one line a user reads, and that nothing is left running.
+#include <gtest/gtest.h>
+
+#include <netinet/in.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+
+#include <regex>
+
+#include "mnist_ddp/checkpoint.hpp"
+#include "test_util.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+using namespace std::chrono_literals;
+using test::eventually;
+using test::idx_bytes;
+using test::Process;
+using test::read_text;
+using test::TempDir;
+namespace fs = std::filesystem;
+
+// Orphans are reparented to the test process, so a worker left behind is
+// found as our child.
+class Faults : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_EQ(prctl(PR_SET_CHILD_SUBREAPER, 1), 0); }
+  void TearDown() override {
+    EXPECT_TRUE(eventually([] { return test::children_of(getpid()).empty(); }, 10s)) << "a process was left running";
+    while (waitpid(-1, nullptr, WNOHANG) > 0) {
+    }
+  }
+};
+
+struct Outcome {
+  int exit_code = -1;
+  std::string output;
+  double seconds = 0;
+};
+
+Outcome run(const std::vector<std::string>& args, const TempDir& dir, std::chrono::seconds limit = 120s,
+            const std::vector<std::string>& env = {}) {
+  const auto start = std::chrono::steady_clock::now();
+  Process p(args, dir / "output.txt", env);
+  const int status = p.wait(limit);
+  Outcome o;
+  o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  o.exit_code = status == -1 ? -1 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  o.output = read_text(dir / "output.txt");
+  return o;
+}
+
+// The user reads one error line. Unless training had begun (its log lines
+// come first), nothing else but the launcher saying it created --path.
+void expect_one_error_line(const Outcome& o, int code, const std::string& piece, bool training_began = false) {
+  EXPECT_EQ(o.exit_code, code) << o.output;
+  std::istringstream lines(o.output);
+  std::string line;
+  int errors = 0, others = 0;
+  while (std::getline(lines, line)) {
+    if (line.rfind("mnist_ddp: error: ", 0) == 0) {
+      ++errors;
+      EXPECT_NE(line.find(piece), std::string::npos) << "'" << line << "' lacks '" << piece << "'";
+    } else if (line.rfind("The folder '", 0) != 0) {
+      ++others;
+    }
+  }
+  EXPECT_EQ(errors, 1) << o.output;
+  if (!training_began) EXPECT_EQ(others, 0) << o.output;
+  EXPECT_EQ(o.output.find("Exception raised from"), std::string::npos) << o.output;
+  EXPECT_EQ(o.output.find("terminate called"), std::string::npos) << o.output;
+}
+
+std::vector<std::string> base(const TempDir& dir, std::vector<std::string> extra = {}) {
+  std::vector<std::string> args = {"--backend", "gloo", "--nproc", "2", "--data-dir", dir / "data",
+                                   "--path", dir / "out", "--timeout", "20", "--log-interval", "1000"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& extra) {
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+TEST_F(Faults, UsageErrorsExitWith2) {
+  TempDir dir;
+  test::write_synthetic_mnist(dir / "data", 64, 32);
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--compression", "zip"}, "--compression: must be one of none, fp16"},
+      {{"--batch-size", "0"}, "--batch-size: must be a positive integer, got '0'"},
+      {{"--batch-size", "many"}, "--batch-size: must be a positive integer, got 'many'"},
+      {{"--test-batch-size", "-1"}, "--test-batch-size"},
+      {{"--epochs", "0"}, "--epochs: must be a positive integer"},
+      {{"--lr", "-0.1"}, "--lr: must be a positive number"},
+      {{"--lr", "fast"}, "--lr: must be a positive number, got 'fast'"},
+      {{"--gpus", "3"}, "--gpus: device 3 does not exist"},
+      {{"--backend", "nccl"}, "--backend nccl"},
+  };
+  for (const auto& [args, message] : cases) {
+    SCOPED_TRACE(args.front() + " " + args.back());
+    expect_one_error_line(run(with(base(dir), args), dir), 2, message);
+    EXPECT_FALSE(fs::exists(dir / "out")) << "nothing is created for a usage error";
+  }
+}
+
+TEST_F(Faults, MissingAndMalformedDataAreNamed) {
+  TempDir dir;
+  expect_one_error_line(run(base(dir), dir), 1, "scripts/fetch_data.sh mnist");
+
+  struct Broken {
+    std::string what, file, bytes, message;
+  };
+  std::vector<uint8_t> labels(64);
+  for (size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<uint8_t>(i % 10);
+  std::vector<uint8_t> bad_labels = labels;
+  bad_labels[17] = 12;
+  const std::vector<Broken> cases = {
+      {"wrong magic", "train-images-idx3-ubyte.gz", idx_bytes({64, 28, 28}, std::vector<uint8_t>(64 * 784), 0x0803abcd),
+       "bad magic number"},
+      {"truncated", "train-images-idx3-ubyte.gz", idx_bytes({64, 28, 28}, std::vector<uint8_t>(60 * 784)), "truncated"},
+      {"count mismatch", "train-labels-idx1-ubyte.gz", idx_bytes({63}, std::vector<uint8_t>(63)),
+       "64 images but 63 labels"},
+      {"label out of range", "train-labels-idx1-ubyte.gz", idx_bytes({64}, bad_labels), "label 12 is outside 0..9"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    test::write_synthetic_mnist(dir / "data", 64, 32);
+    test::write_file(dir / ("data/MNIST/raw/" + c.file), c.bytes, true);
+    const Outcome o = run(base(dir), dir);
+    expect_one_error_line(o, 1, c.message);
+    EXPECT_NE(o.output.find(c.file), std::string::npos) << o.output;
+  }
+}
+
+TEST_F(Faults, PortInUseAndUnwritablePath) {
+  TempDir dir;
+  test::write_synthetic_mnist(dir / "data", 64, 32);
+  const int busy = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(busy, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(busy, 1), 0);
+  socklen_t len = sizeof addr;
+  getsockname(busy, reinterpret_cast<sockaddr*>(&addr), &len);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  expect_one_error_line(run(with(base(dir), {"--master-port", port}), dir), 1,
+                        "--master-port " + port + " is already in use");
+  close(busy);
+
+  test::write_file(dir / "a_file", "x", false);
+  auto args = base(dir);
+  args.push_back("--path");
+  args.push_back(dir / "a_file/out");
+  expect_one_error_line(run(args, dir), 1, "cannot create the directory");
+}
+
+TEST_F(Faults, ResumeFromMissingTruncatedOrForeignCheckpoints) {
+  TempDir dir;
+  test::write_synthetic_mnist(dir / "data", 256, 64);
+  expect_one_error_line(run(with(base(dir), {"--resume", dir / "nowhere"}), dir), 1, "nowhere is not a directory");
+
+  ASSERT_EQ(run(with(base(dir), {"--epochs", "1", "--compression", "none"}), dir).exit_code, 0);
+  const std::string ckpt = dir / "out/checkpoint";
+  ASSERT_TRUE(has_checkpoint(ckpt));
+  std::string training;
+  for (const auto& e : fs::directory_iterator(ckpt))
+    if (e.path().filename().string().rfind("training-", 0) == 0) training = e.path().string();
+  fs::copy(ckpt, dir / "intact", fs::copy_options::recursive);
+  fs::resize_file(training, fs::file_size(training) / 2);
+  expect_one_error_line(run(with(base(dir), {"--resume", ckpt}), dir), 1, "is truncated");
+  expect_one_error_line(run(with(base(dir), {"--resume", "auto"}), dir), 1, "is truncated");
+
+  fs::remove_all(ckpt);
+  fs::create_directories(ckpt);
+  test::write_file(ckpt + "/manifest", "PK\x03\x04 not ours", false);
+  expect_one_error_line(run(with(base(dir), {"--resume", ckpt}), dir), 1, "is not a mnist_ddp checkpoint");
+
+  // A checkpoint of another model: the right format, the wrong tensors.
+  Checkpoint other = load_checkpoint(dir / "intact");
+  other.model = TensorDict();
+  other.model.insert("module.fc.weight", torch::zeros({2, 2}));
+  fs::remove_all(ckpt);
+  save_checkpoint(ckpt, other);
+  expect_one_error_line(run(with(base(dir), {"--resume", ckpt}), dir), 1, "holds a different model");
+}
+
+TEST_F(Faults, DivergedTrainingStopsNamingEpochAndStep) {
+  TempDir dir;
+  test::write_synthetic_mnist(dir / "data", 512, 64);
+  const Outcome o = run(with(base(dir), {"--lr", "1e6", "--compression", "none"}), dir);
+  expect_one_error_line(o, 1, "at epoch 0, step ", /*training_began=*/true);
+  EXPECT_TRUE(std::regex_search(o.output, std::regex("the loss is -?(nan|inf)"))) << o.output;
+}
+
+TEST_F(Faults, APeerThatNeverArrivesTimesOut) {
+  TempDir dir;
+  test::write_synthetic_mnist(dir / "data", 64, 32);
+  const std::vector<std::string> args = {"--data-dir", dir / "data", "--path", dir / "out", "--timeout", "3"};
+  // Started as torchrun would start rank 0 of 2; rank 1 never comes.
+  const Outcome o =
+      run(args, dir, 60s, {"RANK=0", "WORLD_SIZE=2", "LOCAL_RANK=0", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=29731"});
+  EXPECT_EQ(o.exit_code, 1) << o.output;
+  EXPECT_NE(o.output.find("could not form the process group with all 2 ranks within 3 s"), std::string::npos)
+      << o.output;
+  EXPECT_LT(o.seconds, 3 + 10);
+  // And rank 1 of 2, whose rank 0 never comes.
+  const Outcome client =
+      run(args, dir, 60s, {"RANK=1", "WORLD_SIZE=2", "LOCAL_RANK=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=29732"});
+  EXPECT_EQ(client.exit_code, 1) << client.output;
+  EXPECT_NE(client.output.find("could not reach the rendezvous store at 127.0.0.1:29732 within 3 s"),
+            std::string::npos)
+      << client.output;
+  EXPECT_LT(client.seconds, 3 + 10);
+}
+
+}  // namespace
+}  // namespace mnist_ddp

@@ -1,0 +1,204 @@
+// Checkpoints end to end: exact resume, interruptions at any moment, the
+// files a run leaves (loadable by Python, never world-writable) and the
+// store that only loopback can reach.
+#include <gtest/gtest.h>
+
+#include <sys/prctl.h>
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <regex>
+#include <set>
+
+#include "mnist_ddp/checkpoint.hpp"
+#include "test_util.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+using namespace std::chrono_literals;
+using test::eventually;
+using test::Process;
+using test::read_text;
+using test::TempDir;
+namespace fs = std::filesystem;
+
+int run(const std::vector<std::string>& args, const std::string& output, std::chrono::seconds limit = 300s) {
+  Process p(args, output);
+  const int status = p.wait(limit);
+  return status == -1 ? -1 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// 1024 training images on 2 workers: 16 steps an epoch.
+std::vector<std::string> job(const std::string& data, const std::string& path, const std::string& compression,
+                             std::vector<std::string> extra = {}) {
+  std::vector<std::string> args = {"--backend", "gloo", "--nproc", "2", "--data-dir", data, "--path", path,
+                                   "--compression", compression, "--start-powersgd-iter", "10", "--log-interval", "5"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+std::string last_line_with(const std::string& text, const std::string& piece) {
+  std::string found;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);)
+    if (line.find(piece) != std::string::npos) found = line.substr(line.find("| ") + 2);
+  return found;
+}
+
+double max_abs_diff(const TensorDict& a, const TensorDict& b) {
+  double worst = 0;
+  for (const auto& item : a)
+    worst = std::max(worst, (item.value().to(torch::kFloat64) - b.at(item.key()).to(torch::kFloat64)).abs().max().item<double>());
+  return worst;
+}
+
+TEST(Resume, StraightAndInterruptedRunsEndIdentical) {
+  TempDir dir;
+  test::write_synthetic_mnist(dir / "data", 1024, 256);
+  for (const std::string compression : {"none", "powersgd_fp16"}) {
+    SCOPED_TRACE(compression);
+    const std::string straight = dir / (compression + "_straight");
+    ASSERT_EQ(run(job(dir / "data", straight, compression, {"--epochs", "3"}), dir / "out.txt"), 0) << read_text(dir / "out.txt");
+    const Checkpoint expected = load_checkpoint(straight + "/checkpoint");
+    const std::string expected_test = last_line_with(read_text(straight + "/mnist_train.log"), "Test Epoch: 2:");
+    ASSERT_FALSE(expected_test.empty());
+
+    // Stopped at the end of epoch 0, and in the middle of epoch 1 (step 23 of 48).
+    for (const std::string stop : {"16", "23"}) {
+      const std::string split = dir / (compression + "_split_" + stop);
+      ASSERT_EQ(run(job(dir / "data", split, compression, {"--epochs", "3", "--max-steps", stop}), dir / "out.txt"), 0)
+          << read_text(dir / "out.txt");
+      ASSERT_EQ(run(job(dir / "data", split, compression, {"--epochs", "3", "--resume", "auto"}), dir / "out.txt"), 0)
+          << read_text(dir / "out.txt");
+      const std::string log = read_text(split + "/mnist_train.log");
+      EXPECT_NE(log.find("Resuming from " + split + "/checkpoint: epoch " + (stop == "16" ? "1, batch 0" : "1, batch 7") +
+                         ", step " + stop),
+                std::string::npos)
+          << log;
+      const Checkpoint resumed = load_checkpoint(split + "/checkpoint");
+      EXPECT_EQ(resumed.step, expected.step);
+      EXPECT_LE(max_abs_diff(resumed.model, expected.model), 1e-6) << "stopped at step " << stop;
+      EXPECT_LE(max_abs_diff(resumed.training, expected.training), 1e-6) << "stopped at step " << stop;
+      EXPECT_EQ(last_line_with(log, "Test Epoch: 2:"), expected_test);
+    }
+  }
+}
+
+TEST(Resume, SigtermKeepsTheLastCompleteCheckpoint) {
+  TempDir dir;
+  test::write_synthetic_mnist(dir / "data", 4000, 256);
+  const auto args = job(dir / "data", dir / "out", "none", {"--epochs", "50"});
+  Process p(args, dir / "out.txt");
+  ASSERT_TRUE(eventually([&] { return read_text(dir / "out/mnist_train.log").find("Checkpoint saved") != std::string::npos; }, 120s));
+  std::this_thread::sleep_for(300ms);
+  kill(p.pid(), SIGTERM);
+  const int status = p.wait(10s);
+  ASSERT_NE(status, -1) << "still running 10 s after SIGTERM";
+  EXPECT_EQ(WEXITSTATUS(status), 143);
+  const Checkpoint c = load_checkpoint(dir / "out/checkpoint");
+  EXPECT_GE(c.epoch, 1);
+  auto more = args;
+  more.insert(more.end(), {"--resume", "auto", "--max-steps", std::to_string(c.step + 3)});
+  EXPECT_EQ(run(more, dir / "out2.txt"), 0) << read_text(dir / "out2.txt");
+}
+
+TEST(Resume, AKillAtAnyMomentOfCheckpointingLeavesAResumableOne) {
+  // 256 images: 4 steps an epoch, a checkpoint after each, so the kills land
+  // in and around checkpoint writes. SIGKILL to the whole job, as a crash.
+  TempDir dir;
+  test::write_synthetic_mnist(dir / "data", 256, 64);
+  const auto args = job(dir / "data", dir / "out", "powersgd_fp16", {"--epochs", "1000", "--resume", "auto"});
+  int kills = 0;
+  for (int delay_ms : {1700, 2100, 2350, 2600, 2900, 3300, 3750}) {
+    Process p(args, dir / "out.txt");
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    kill(-p.pid(), SIGKILL);
+    p.wait(10s);
+    ++kills;
+    if (has_checkpoint(dir / "out/checkpoint")) EXPECT_NO_THROW(load_checkpoint(dir / "out/checkpoint")) << "after kill " << kills;
+  }
+  const Checkpoint c = load_checkpoint(dir / "out/checkpoint");
+  auto more = args;
+  more.insert(more.end(), {"--max-steps", std::to_string(c.step + 2)});
+  EXPECT_EQ(run(more, dir / "out.txt"), 0) << read_text(dir / "out.txt");
+  EXPECT_EQ(load_checkpoint(dir / "out/checkpoint").step, c.step + 2);
+}
+
+// A Python with torch: Debian's python3-torch runs under /usr/bin/python3.
+std::string python_with_torch() {
+  for (const std::string python : {"/usr/bin/python3", "python3"})
+    if (std::system((python + " -c 'import torch' >/dev/null 2>&1").c_str()) == 0) return python;
+  return "";
+}
+
+TEST(Interop, PythonLoadsTheModelsAndReproducesTheLoggedAccuracy) {
+  const std::string python = python_with_torch();
+  ASSERT_FALSE(python.empty()) << "no Python with torch: install python3-torch (scripts/install_deps.sh does)";
+  TempDir dir;
+  test::write_synthetic_mnist(dir / "data", 1024, 256);
+  ASSERT_EQ(run(job(dir / "data", dir / "out", "none", {"--epochs", "2"}), dir / "out.txt"), 0);
+  const std::string log = read_text(dir / "out/mnist_train.log");
+  const std::string best = last_line_with(log, "Save model with best accuracy: ");
+  ASSERT_FALSE(best.empty()) << log;
+  const std::string expected = best.substr(best.find(": ") + 2);  // e.g. "96.4930%"
+
+  std::string checkpoint_model;
+  for (const auto& e : fs::directory_iterator(dir / "out/checkpoint"))
+    if (e.path().filename().string().rfind("model-", 0) == 0) checkpoint_model = e.path().string();
+  for (const std::string model : {dir / "out/mnist_model.pt", checkpoint_model}) {
+    const std::string command = python + " " + MNIST_DDP_SOURCE_DIR + "/scripts/evaluate_model.py " + model + " " +
+                                dir / "data/MNIST/raw" + " > " + dir / "python.txt" + " 2>&1";
+    ASSERT_EQ(std::system(command.c_str()), 0) << read_text(dir / "python.txt");
+    const std::string printed = read_text(dir / "python.txt");
+    if (model == dir / "out/mnist_model.pt") EXPECT_NE(printed.find("test top-1 " + expected), std::string::npos) << printed << " vs " << expected;
+    else EXPECT_NE(printed.find("test top-1 "), std::string::npos) << printed;
+  }
+}
+
+TEST(Security, FilesAreNeverWorldWritableAndTheStoreListensOnLoopbackOnly) {
+  TempDir dir;
+  test::write_synthetic_mnist(dir / "data", 4000, 64);
+  const mode_t saved = umask(0);  // the worst a caller could do
+  Process p(job(dir / "data", dir / "out", "none", {"--epochs", "1"}), dir / "out.txt");
+  umask(saved);
+  ASSERT_TRUE(eventually([&] { return read_text(dir / "out/mnist_train.log").find("Train Epoch: 0 [5/") != std::string::npos; }, 60s));
+
+  // Every listening socket of the workers, from /proc/net/tcp{,6}.
+  std::set<std::string> inodes;
+  for (pid_t w : test::children_of(p.pid()))
+    for (const auto& fd : fs::directory_iterator("/proc/" + std::to_string(w) + "/fd")) {
+      std::error_code ec;
+      const std::string target = fs::read_symlink(fd.path(), ec).string();
+      if (target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+    }
+  int listening = 0;
+  for (const std::string table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::istringstream lines(read_text(table));
+    std::string line;
+    std::getline(lines, line);
+    while (std::getline(lines, line)) {
+      std::istringstream f(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      f >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> inode;
+      if (state != "0A" || !inodes.count(inode)) continue;
+      ++listening;
+      EXPECT_EQ(table, "/proc/net/tcp") << "an IPv6 listener: " << line;
+      EXPECT_EQ(local.substr(0, 8), "0100007F") << "listening beyond loopback: " << line;
+    }
+  }
+  EXPECT_GE(listening, 1) << "the store's listening socket was not found";
+  ASSERT_EQ(WEXITSTATUS(p.wait(120s)), 0);
+
+  for (const auto& entry : fs::recursive_directory_iterator(dir / "out")) {
+    struct stat st{};
+    ASSERT_EQ(stat(entry.path().c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & S_IWOTH, 0u) << entry.path() << " is world-writable";
+  }
+  struct stat st{};
+  stat((dir / "out").c_str(), &st);
+  EXPECT_EQ(st.st_mode & S_IWOTH, 0u);
+}
+
+}  // namespace
+}  // namespace mnist_ddp
