@@ -16,8 +16,15 @@
 #endif
 
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <sstream>
 #include <stdexcept>
+#include <thread>
+#include <algorithm>
+#include <functional>
 
 // Note on the store's address. LibTorch's TCPStore listens on every
 // interface and has no option to choose one, but a store reachable from the
@@ -96,6 +103,58 @@ std::string local_address_towards(const std::string& host) {
   return address;
 }
 
+std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+std::string text_of(const std::vector<uint8_t>& b) { return std::string(b.begin(), b.end()); }
+
+// Waits for `keys`; on timeout throws `describe(missing keys)`.
+void wait_for(c10d::Store& store, const std::vector<std::string>& keys, std::chrono::milliseconds timeout,
+              const std::function<std::string(const std::vector<std::string>&)>& describe) {
+  try {
+    store.wait(keys, timeout);
+  } catch (const std::exception&) {
+    std::vector<std::string> missing;
+    for (const auto& k : keys)
+      if (!store.check({k})) missing.push_back(k);
+    if (missing.empty()) throw;
+    throw std::runtime_error(describe(missing));
+  }
+}
+
+// The numbers in keys like "nodes/3/size" or "settings/3", joined: "1, 3".
+std::string numbers_in(const std::vector<std::string>& keys) {
+  std::string out;
+  for (const auto& k : keys) {
+    const size_t a = k.find('/') + 1, b = k.find('/', a);
+    out += (out.empty() ? "" : ", ") + k.substr(a, b == std::string::npos ? std::string::npos : b - a);
+  }
+  return out;
+}
+
+std::map<std::string, std::string> parse_settings(const std::string& text) {
+  std::map<std::string, std::string> out;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    const size_t eq = line.find('=');
+    out[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  return out;
+}
+
+// Throws naming the first setting in which `theirs` (rank `other`) differs from `mine`.
+void compare_settings(const std::string& mine, int me, const std::string& theirs, int other) {
+  const auto a = parse_settings(mine), b = parse_settings(theirs);
+  for (const auto& [name, value] : a) {
+    const auto it = b.find(name);
+    const std::string other_value = it == b.end() ? "(none)" : it->second;
+    if (other_value == value) continue;
+    std::string flag = name;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    throw std::runtime_error("--" + flag + " differs between ranks: rank " + std::to_string(me) + " has '" + value +
+                             "', rank " + std::to_string(other) + " has '" + other_value +
+                             "'; every node must train with the same settings");
+  }
+}
+
 GroupPtr create_group(const StorePtr& store, const std::string& backend, int rank, int world_size,
                       const std::string& gloo_address, std::chrono::milliseconds timeout) {
   if (backend == "nccl") {
@@ -113,6 +172,65 @@ GroupPtr create_group(const StorePtr& store, const std::string& backend, int ran
 }
 
 }  // namespace
+
+class Heartbeat {
+ public:
+  Heartbeat(StorePtr store, int rank) : store_(std::move(store)), key_("heartbeat/" + std::to_string(rank)) {
+    thread_ = std::thread([this] { beat(); });
+  }
+  ~Heartbeat() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  void beat() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (int64_t n = 1; !stopping_; ++n) {
+      lock.unlock();
+      try {
+        store_->set(key_, bytes_of(std::to_string(n)));
+      } catch (const std::exception&) {
+        return;  // the store is gone: so is rank 0, and someone will say so
+      }
+      lock.lock();
+      cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stopping_; });
+    }
+  }
+
+  StorePtr store_;
+  std::string key_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+std::vector<int> Dist::silent_ranks() const {
+  auto read = [this] {
+    std::vector<std::string> beats(world_size);
+    for (int r = 0; r < world_size; ++r) {
+      const std::string key = "heartbeat/" + std::to_string(r);
+      if (store->check({key})) beats[r] = text_of(store->get(key));
+    }
+    return beats;
+  };
+  std::vector<int> silent;
+  try {
+    const auto before = read();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    const auto after = read();
+    for (int r = 0; r < world_size; ++r)
+      if (r != rank && before[r] == after[r]) silent.push_back(r);
+  } catch (const std::exception&) {
+    silent = {0};
+  }
+  return silent;
+}
 
 GroupPtr Dist::new_group(const std::string& name) const {
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name + "/" + std::to_string(groups_created_++), store);
@@ -137,8 +255,9 @@ Dist make_dist(StorePtr store, int rank, int world_size, const std::string& back
   return d;
 }
 
-Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_seconds) {
+Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_seconds, const Settings& settings) {
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+  const auto seconds = std::to_string(static_cast<int64_t>(timeout_seconds)) + " s";
   torch::Device device = torch::kCPU;
   if (placement.backend == "nccl") {
     const int index = placement.devices.at(env.local_rank);
@@ -149,30 +268,30 @@ Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_se
     use_device(device);
   }
 
+  // ---- The store, hosted by rank 0: node 0's first worker. ----
+  const bool host = env.rank >= 0 ? env.rank == 0 : env.node_rank == 0 && env.local_rank == 0;
   c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(env.master_port);
-  so.isServer = env.rank == 0;
-  so.numWorkers = env.world_size;
-  so.waitWorkers = false;  // the first group's rendezvous waits for everyone
+  so.isServer = host;
+  so.waitWorkers = false;  // the world size may not be known yet; the steps below wait
   so.timeout = timeout;
   c10::intrusive_ptr<c10d::TCPStore> store;
   try {
-    if (so.isServer) g_store_address = ipv4_address(env.master_addr);
+    if (host) g_store_address = ipv4_address(env.master_addr);
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
     g_store_address = INADDR_NONE;
   } catch (const std::exception& e) {
     g_store_address = INADDR_NONE;
     const std::string why = error_text(e);
-    if (env.rank == 0) {
+    if (host) {
       if (why.find("Address already in use") != std::string::npos || why.find("errno: 98") != std::string::npos)
         throw std::runtime_error("--master-port " + std::to_string(env.master_port) +
                                  " is already in use on this machine; choose another port or 0 for a free one");
-      throw std::runtime_error("cannot host the rendezvous store on port " + std::to_string(env.master_port) + ": " +
-                               why);
+      throw std::runtime_error("cannot host the rendezvous store at " + env.master_addr + ":" +
+                               std::to_string(env.master_port) + ": " + why);
     }
     throw std::runtime_error("could not reach the rendezvous store at " + env.master_addr + ":" +
-                             std::to_string(env.master_port) + " within " +
-                             std::to_string(static_cast<int64_t>(timeout_seconds)) + " s (" + why + ")");
+                             std::to_string(env.master_port) + " within " + seconds + " (" + why + ")");
   }
   if (env.port_report_fd >= 0) {
     const std::string port = std::to_string(store->getPort()) + "\n";
@@ -181,15 +300,63 @@ Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_se
     if (!sent) throw std::runtime_error("could not report the store's port to the launcher");
   }
 
+  // ---- Ranks: given by torchrun or Slurm, else agreed by the nodes. ----
+  int rank = env.rank, world_size = env.world_size;
+  if (rank < 0) {
+    const std::string me = "nodes/" + std::to_string(env.node_rank);
+    if (env.local_rank == 0) {
+      if (store->add(me + "/claims", 1) > 1)
+        throw std::runtime_error("another node also started with --node-rank " + std::to_string(env.node_rank) +
+                                 "; give each node its own");
+      store->set(me + "/size", bytes_of(std::to_string(env.local_world_size)));
+    }
+    std::vector<std::string> keys;
+    for (int k = 0; k < env.nnodes; ++k) keys.push_back("nodes/" + std::to_string(k) + "/size");
+    wait_for(*store, keys, timeout, [&](const std::vector<std::string>& missing) {
+      return "node " + numbers_in(missing) + " of " + std::to_string(env.nnodes) + " never joined within " + seconds +
+             ": start mnist_ddp there with --nnodes " + std::to_string(env.nnodes) +
+             " --node-rank <its rank> --master-addr " + env.master_addr + " --master-port " +
+             std::to_string(env.master_port);
+    });
+    world_size = 0;
+    int first = 0;  // this node's first rank
+    for (int k = 0; k < env.nnodes; ++k) {
+      const int size = std::stoi(text_of(store->get(keys[k])));
+      if (k < env.node_rank) first += size;
+      world_size += size;
+    }
+    rank = first + env.local_rank;
+  }
+
+  // ---- Settings: rank 0 checks everyone's, everyone checks rank 0's. ----
+  std::string mine;
+  for (const auto& [name, value] : settings) mine += name + "=" + value + "\n";
+  store->set("settings/" + std::to_string(rank), bytes_of(mine));
+  auto never_arrived = [&](const std::vector<std::string>& missing) {
+    return "rank " + numbers_in(missing) + " of " + std::to_string(world_size) + " never arrived within " + seconds;
+  };
+  if (rank == 0) {
+    for (int r = 1; r < world_size; ++r) {
+      const std::string key = "settings/" + std::to_string(r);
+      wait_for(*store, {key}, timeout, never_arrived);
+      compare_settings(mine, 0, text_of(store->get(key)), r);
+    }
+  } else {
+    wait_for(*store, {"settings/0"}, timeout, never_arrived);
+    compare_settings(text_of(store->get("settings/0")), 0, mine, rank);
+  }
+
   Dist d;
-  d.rank = env.rank;
-  d.world_size = env.world_size;
+  d.rank = rank;
+  d.world_size = world_size;
   d.local_rank = env.local_rank;
+  d.node_rank = env.node_rank;
   d.backend = placement.backend;
   d.device = device;
   d.timeout = timeout;
   d.gloo_address = local_address_towards(env.master_addr);
   d.store = store;
+  d.heartbeat_ = std::make_shared<Heartbeat>(store, rank);
   d.group = d.new_group("main");
   return d;
 }

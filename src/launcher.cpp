@@ -97,7 +97,7 @@ int exit_code_of(int status) {
 }
 
 struct Worker {
-  int rank = 0;
+  int rank = 0;  // local rank: its place on this node
   pid_t pid = -1;
   bool running = false;
 };
@@ -156,15 +156,17 @@ class Launcher {
       const std::string kv = *e;
       const std::string key = kv.substr(0, kv.find('='));
       static const std::set<std::string> ours = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                                 "MASTER_ADDR", "MASTER_PORT", "MNIST_DDP_PORT_FD",
-                                                 "MNIST_DDP_ERROR_FD"};
+                                                 "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "MNIST_DDP_NNODES",
+                                                 "MNIST_DDP_PORT_FD", "MNIST_DDP_ERROR_FD"};
       if (!ours.count(key)) env.push_back(kv);
     }
     const int n = static_cast<int>(workers_.size());
-    env.push_back("RANK=" + std::to_string(w.rank));
+    // No RANK or WORLD_SIZE: the workers of all nodes agree on them through
+    // the store, so no node needs to know how many workers the others run.
     env.push_back("LOCAL_RANK=" + std::to_string(w.rank));
-    env.push_back("WORLD_SIZE=" + std::to_string(n));
     env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(n));
+    env.push_back("GROUP_RANK=" + std::to_string(opts_.node_rank));
+    env.push_back("MNIST_DDP_NNODES=" + std::to_string(opts_.nnodes));
     env.push_back("MASTER_ADDR=" + opts_.master_addr);
     env.push_back("MASTER_PORT=" + std::to_string(port));
     if (report_fd >= 0) env.push_back("MNIST_DDP_PORT_FD=" + std::to_string(report_fd));
@@ -245,7 +247,7 @@ class Launcher {
     return 0;
   }
 
-  // Collects what the workers reported, keeping each rank's first message.
+  // Collects what the workers reported, keeping each one's first message.
   void read_errors() {
     char buf[4096];
     ssize_t got;
@@ -279,10 +281,10 @@ class Launcher {
         if (status == 0) continue;
         read_errors();  // a worker reports before it exits
         if (const auto it = errors_.find(w.rank); it != errors_.end() && WIFEXITED(status)) {
-          std::cerr << "mnist_ddp: error: rank " << w.rank << ": " << it->second << std::endl;
+          std::cerr << "mnist_ddp: error: " << it->second << std::endl;
         } else {
-          std::cerr << "mnist_ddp: worker rank " << w.rank << " (pid " << pid << ") " << describe_status(status)
-                    << "; stopping the other workers" << std::endl;
+          std::cerr << "mnist_ddp: worker " << (opts_.nnodes > 1 ? "local rank " : "rank ") << w.rank << " (pid "
+                    << pid << ") " << describe_status(status) << "; stopping the other workers" << std::endl;
         }
         stop_all();
         return exit_code_of(status);
@@ -321,7 +323,7 @@ class Launcher {
   int port_fd_ = -1;
   int error_fd_ = -1, error_write_fd_ = -1;
   std::string error_text_;
-  std::map<int, std::string> errors_;  // rank -> its first reported error
+  std::map<int, std::string> errors_;  // local rank -> its first reported error
 };
 
 }  // namespace
@@ -358,19 +360,63 @@ Placement plan_placement(const Options& opts) {
   return p;
 }
 
+std::string first_slurm_host(const std::string& nodelist) {
+  size_t end = 0;
+  for (int depth = 0; end < nodelist.size(); ++end) {
+    if (nodelist[end] == '[') ++depth;
+    if (nodelist[end] == ']') --depth;
+    if (nodelist[end] == ',' && depth == 0) break;
+  }
+  const std::string first = nodelist.substr(0, end);
+  const size_t open = first.find('[');
+  if (open == std::string::npos) return first;
+  const size_t close = first.find(']', open);
+  const std::string range = first.substr(open + 1, close - open - 1);
+  const std::string head = range.substr(0, range.find_first_of(",-"));
+  return first.substr(0, open) + head + (close == std::string::npos ? "" : first.substr(close + 1));
+}
+
 std::optional<WorkerEnv> worker_env_from_environment() {
-  if (!std::getenv("RANK") || !std::getenv("WORLD_SIZE")) return std::nullopt;
   WorkerEnv env;
-  env.rank = env_int("RANK", std::nullopt);
-  env.world_size = env_int("WORLD_SIZE", std::nullopt);
-  env.local_rank = env_int("LOCAL_RANK", env.rank);
-  env.local_world_size = env_int("LOCAL_WORLD_SIZE", env.world_size);
-  env.master_port = env_int("MASTER_PORT", std::nullopt);
-  const char* addr = std::getenv("MASTER_ADDR");
-  env.master_addr = addr && *addr ? addr : "127.0.0.1";
+  auto master_addr = [](const std::string& fallback) {
+    const char* addr = std::getenv("MASTER_ADDR");
+    return addr && *addr ? std::string(addr) : fallback;
+  };
+  if (std::getenv("RANK") && std::getenv("WORLD_SIZE")) {  // torchrun, or set by hand
+    env.rank = env_int("RANK", std::nullopt);
+    env.world_size = env_int("WORLD_SIZE", std::nullopt);
+    env.local_rank = env_int("LOCAL_RANK", env.rank);
+    env.local_world_size = env_int("LOCAL_WORLD_SIZE", env.world_size);
+    env.node_rank = env_int("GROUP_RANK", 0);
+    env.master_addr = master_addr("127.0.0.1");
+    env.master_port = env_int("MASTER_PORT", std::nullopt);
+  } else if (std::getenv("SLURM_PROCID") && std::getenv("SLURM_NTASKS")) {  // srun
+    env.rank = env_int("SLURM_PROCID", std::nullopt);
+    env.world_size = env_int("SLURM_NTASKS", std::nullopt);
+    env.local_rank = env_int("SLURM_LOCALID", 0);
+    const char* per_node = std::getenv("SLURM_TASKS_PER_NODE");  // e.g. "4(x2),2"
+    env.local_world_size = per_node ? std::max(1, std::atoi(per_node)) : 1;
+    env.local_rank = std::min(env.local_rank, env.local_world_size - 1);
+    env.node_rank = env_int("SLURM_NODEID", 0);
+    const char* nodes = std::getenv("SLURM_JOB_NODELIST");
+    if (!nodes) nodes = std::getenv("SLURM_NODELIST");
+    env.master_addr = master_addr(nodes ? first_slurm_host(nodes) : "");
+    if (env.master_addr.empty())
+      throw UsageError("environment: Slurm gives no SLURM_JOB_NODELIST; set MASTER_ADDR to node 0's address");
+    env.master_port = env_int("MASTER_PORT", 29500);
+  } else if (std::getenv("MNIST_DDP_NNODES")) {  // our launcher
+    env.nnodes = env_int("MNIST_DDP_NNODES", std::nullopt);
+    env.node_rank = env_int("GROUP_RANK", std::nullopt);
+    env.local_rank = env_int("LOCAL_RANK", std::nullopt);
+    env.local_world_size = env_int("LOCAL_WORLD_SIZE", std::nullopt);
+    env.master_addr = master_addr("127.0.0.1");
+    env.master_port = env_int("MASTER_PORT", std::nullopt);
+  } else {
+    return std::nullopt;
+  }
   env.port_report_fd = env_int("MNIST_DDP_PORT_FD", -1);
   env.error_report_fd = env_int("MNIST_DDP_ERROR_FD", -1);
-  if (env.world_size < 1 || env.rank >= env.world_size)
+  if (env.rank >= 0 && (env.world_size < 1 || env.rank >= env.world_size))
     throw UsageError("environment: RANK=" + std::to_string(env.rank) + " is not below WORLD_SIZE=" +
                      std::to_string(env.world_size));
   if (env.local_rank >= env.local_world_size)
@@ -381,13 +427,16 @@ std::optional<WorkerEnv> worker_env_from_environment() {
   return env;
 }
 
-void report_worker_error(const WorkerEnv& env, const std::string& message) {
+void report_worker_error(const WorkerEnv& env, int rank, const std::string& message) {
+  const std::string who = rank >= 0 ? "rank " + std::to_string(rank)
+                                    : "node " + std::to_string(env.node_rank) + " local rank " +
+                                          std::to_string(env.local_rank);
   if (env.error_report_fd >= 0) {
     // One write below PIPE_BUF: never interleaved with another worker's.
-    std::string line = std::to_string(env.rank) + "\t" + message.substr(0, 3000) + "\n";
+    std::string line = std::to_string(env.local_rank) + "\t" + who + ": " + message.substr(0, 3000) + "\n";
     if (write(env.error_report_fd, line.data(), line.size()) == static_cast<ssize_t>(line.size())) return;
   }
-  std::cerr << "mnist_ddp: error: rank " << env.rank << ": " << message << std::endl;
+  std::cerr << "mnist_ddp: error: " << who << ": " << message << std::endl;
 }
 
 int run_launcher(const Options& opts, const Placement& placement, const std::vector<std::string>& argv) {

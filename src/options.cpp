@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <sstream>
 
 namespace mnist_ddp {
@@ -101,8 +102,13 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
   app.add_option("--backend", o.backend, "Process group backend: nccl on CUDA, gloo on CPU")
       ->check(one_of({"auto", "nccl", "gloo"}));
   app.add_option("--nproc", o.nproc, "Worker processes when training on CPU")->check(positive("a positive integer"));
-  app.add_option("--master-addr", o.master_addr, "Address of the rank-0 rendezvous store");
-  app.add_option("--master-port", o.master_port, "Port of the rank-0 store; 0 picks a free one (single node)")
+  app.add_option("--nnodes", o.nnodes, "Machines in the job, each running mnist_ddp with its own --node-rank")
+      ->check(positive("a positive integer"));
+  app.add_option("--node-rank", o.node_rank, "This machine's place among the --nnodes (node 0 hosts the store)")
+      ->check(at_least(0, "an integer >= 0"));
+  app.add_option("--master-addr", o.master_addr, "Address of node 0, whose rank 0 hosts the store (or $MASTER_ADDR)");
+  app.add_option("--master-port", o.master_port,
+                 "Port of the store (or $MASTER_PORT); 0 picks a free one on a single node; 29500 for several")
       ->check(CLI::Validator(
           [](std::string& s) -> std::string {
             long v = -1;
@@ -151,6 +157,27 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
     throw UsageError(one_line(e, app));
   }
 
+  if (!app.count("--master-addr"))
+    if (const char* addr = std::getenv("MASTER_ADDR"); addr && *addr) o.master_addr = addr;
+  const bool port_given = app.count("--master-port") > 0;
+  if (!port_given) {
+    if (const char* port = std::getenv("MASTER_PORT"); port && *port) {
+      char* end = nullptr;
+      const long value = std::strtol(port, &end, 10);
+      if (*end || value < 0 || value > 65535)
+        throw UsageError("$MASTER_PORT='" + std::string(port) + "' is not a port number in 0..65535");
+      o.master_port = static_cast<int>(value);
+    } else if (o.nnodes > 1) {
+      o.master_port = 29500;
+    }
+  }
+  if (o.node_rank >= o.nnodes)
+    throw UsageError("--node-rank " + std::to_string(o.node_rank) + ": must be below --nnodes " +
+                     std::to_string(o.nnodes));
+  if (o.nnodes > 1 && o.master_port == 0)
+    throw UsageError("--master-port 0: a free port can be picked on a single node only; give the port node 0 "
+                     "listens on to every node (default 29500)");
+
   ps.error_feedback = !no_error_feedback;
   ps.warm_start = !no_warm_start;
   if ((ps.error_feedback || ps.warm_start) && ps.start_iter <= 1)
@@ -167,7 +194,20 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
     const_cast<CLI::Option*>(opt)->capture_default_str();  // the value as parsed
     o.arguments.emplace_back(python_name(opt), opt->get_default_str());
   }
+  for (auto& [name, value] : o.arguments) {  // what the environment decided
+    if (name == "master_addr") value = o.master_addr;
+    if (name == "master_port") value = std::to_string(o.master_port);
+  }
   return o;
+}
+
+std::vector<std::pair<std::string, std::string>> shared_settings(const Options& opts) {
+  static const std::vector<std::string> own = {"workers", "path", "gpus", "nproc", "node_rank", "master_addr",
+                                               "master_port", "data_dir", "resume"};
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& arg : opts.arguments)
+    if (std::find(own.begin(), own.end(), arg.first) == own.end()) out.push_back(arg);
+  return out;
 }
 
 }  // namespace mnist_ddp

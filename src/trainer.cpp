@@ -21,6 +21,7 @@
 #include "mnist_ddp/sync_batch_norm.hpp"
 
 #include <ATen/core/Generator.h>
+#include <gloo/common/error.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <type_traits>
 
@@ -103,6 +104,7 @@ class Trainer {
                  const torch::Tensor& labels);
   void evaluate(int64_t epoch);
   void log_summary() const;
+  void check_replicas();
   void restore(const TensorDict& training);
   void save_checkpoint(int64_t epoch, int64_t batch);
   TensorDict own_state() const;  // what only this rank has: RNG, hook error
@@ -297,6 +299,7 @@ void Trainer::run() {
       save_checkpoint(complete ? epoch + 1 : epoch, complete ? 0 : done);
   }
   log_summary();
+  check_replicas();
   dist_.group->barrier()->wait();  // nobody leaves while a peer still needs the store
 }
 
@@ -410,6 +413,22 @@ void Trainer::evaluate(int64_t epoch) {
   spdlog::info("Current best test accuracy: {:.4f}%", best_accuracy_);
 }
 
+// Every rank must end with the same parameters: rank 0 compares a
+// fingerprint of each rank's.
+void Trainer::check_replicas() {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> flat;
+  for (const auto& p : ddp_->parameters()) flat.push_back(p.reshape(-1).to(torch::kFloat64));
+  const auto all = torch::cat(flat);
+  const auto fingerprint = torch::stack({all.sum(), all.square().sum(), all.abs().max()});
+  const auto per_rank = gather_to_rank0(*dist_.group, fingerprint, dist_.device);
+  for (size_t r = 1; r < per_rank.size(); ++r)
+    if (!torch::equal(per_rank[r], per_rank[0]))
+      throw std::runtime_error("the replicas diverged: rank " + std::to_string(r) +
+                               " ends with parameters other than rank 0's");
+  spdlog::info("Replicas: all {} ranks hold identical parameters", dist_.world_size);
+}
+
 void Trainer::log_summary() const {
   const StepStats& s = stats_;
   if (s.steps == 0) return;
@@ -459,22 +478,38 @@ void preflight(const Options& opts) {
 
 int run_worker(const Options& opts, const WorkerEnv& env) {
   int code = 1;
+  std::unique_ptr<Dist> dist;
+  std::string message;
   try {
     const Placement placement = plan_placement(opts);
     configure_worker_process(env.local_world_size);
-    Dist dist = connect(env, placement, opts.timeout);
-    if (dist.rank == 0) prepare_output_dir(opts.path, /*announce=*/false);
-    init_logging(opts.path, dist.rank);
-    Trainer(opts, dist).run();
+    Settings settings = shared_settings(opts);
+    int64_t parameters = 0;
+    for (const auto& p : Net()->parameters()) parameters += p.numel();
+    settings.emplace_back("model", "Net with " + std::to_string(parameters) + " parameters");
+    dist = std::make_unique<Dist>(connect(env, placement, opts.timeout, settings));
+    if (dist->rank == 0) prepare_output_dir(opts.path, /*announce=*/false);
+    init_logging(opts.path, dist->rank);
+    Trainer(opts, *dist).run();
     return 0;
   } catch (const UsageError& e) {
-    log_error_to_file(e.what());
-    report_worker_error(env, e.what());
+    message = e.what();
     code = 2;
   } catch (const std::exception& e) {
-    log_error_to_file(error_line(e));
-    report_worker_error(env, error_line(e));
+    message = error_line(e);
+    // A collective that failed (LibTorch's or Gloo's error): name who went silent.
+    const bool collective = dynamic_cast<const c10::Error*>(&e) || dynamic_cast<const gloo::Exception*>(&e);
+    if (collective && dist && dist->world_size > 1) {
+      const std::vector<int> silent = dist->silent_ranks();
+      std::string who;
+      for (int r : silent) who += (who.empty() ? "" : ", ") + std::to_string(r);
+      if (!silent.empty())
+        message = "lost rank" + std::string(silent.size() > 1 ? "s " : " ") + who +
+                  (silent == std::vector<int>{0} ? " (the store's host)" : "") + ": " + message;
+    }
   }
+  log_error_to_file(message);
+  report_worker_error(env, dist ? dist->rank : env.rank, message);
   // Leave without destructors: a process group or the DDP thread could wait
   // for peers that are gone.
   std::cout.flush();

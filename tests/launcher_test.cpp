@@ -29,7 +29,7 @@ std::vector<std::string> long_run(const TempDir& dir) {
 int rank_of(pid_t pid) {
   const std::string env = read_text("/proc/" + std::to_string(pid) + "/environ");
   std::smatch m;
-  std::regex re(std::string("(^|") + '\0' + ")RANK=([0-9]+)");
+  std::regex re(std::string("(^|") + '\0' + ")LOCAL_RANK=([0-9]+)");
   if (std::regex_search(env, m, re)) return std::stoi(m[2]);
   return -1;
 }

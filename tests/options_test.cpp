@@ -1,7 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <functional>
 #include <map>
 
+#include "mnist_ddp/launcher.hpp"
 #include "mnist_ddp/options.hpp"
 
 namespace mnist_ddp {
@@ -123,6 +126,87 @@ TEST(Options, PowerSgdNeedsPlainStepsBeforeErrorFeedbackOrWarmStart) {
   }
   EXPECT_EQ(usage_error({"--start-powersgd-iter", "0", "--no-warm-start", "--no-error-feedback"}), "(accepted)");
   EXPECT_NE(usage_error({"--powersgd-rank", "0"}).find("--powersgd-rank"), std::string::npos);
+}
+
+TEST(WorkerEnv, FirstHostOfASlurmNodeList) {
+  EXPECT_EQ(first_slurm_host("gpu[003-005,010],cpu7"), "gpu003");
+  EXPECT_EQ(first_slurm_host("node7"), "node7");
+  EXPECT_EQ(first_slurm_host("a1,b[1-2]"), "a1");
+  EXPECT_EQ(first_slurm_host("rack[2,4]-node"), "rack2-node");
+}
+
+// Runs `check` with exactly `vars` set among the variables a launcher uses.
+void with_environment(const std::map<std::string, std::string>& vars, const std::function<void()>& check) {
+  const std::vector<std::string> names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                          "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
+                                          "SLURM_LOCALID", "SLURM_TASKS_PER_NODE", "SLURM_NODEID",
+                                          "SLURM_JOB_NODELIST", "SLURM_NODELIST", "MNIST_DDP_NNODES",
+                                          "MNIST_DDP_PORT_FD", "MNIST_DDP_ERROR_FD"};
+  std::map<std::string, std::string> saved;
+  for (const auto& n : names) {
+    if (const char* v = std::getenv(n.c_str())) saved[n] = v;
+    unsetenv(n.c_str());
+  }
+  for (const auto& [n, v] : vars) setenv(n.c_str(), v.c_str(), 1);
+  check();
+  for (const auto& n : names) unsetenv(n.c_str());
+  for (const auto& [n, v] : saved) setenv(n.c_str(), v.c_str(), 1);
+}
+
+TEST(WorkerEnv, EachLauncherConvention) {
+  with_environment({}, [] { EXPECT_FALSE(worker_env_from_environment()); });
+  with_environment({{"RANK", "2"}, {"WORLD_SIZE", "3"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "1"},
+                    {"GROUP_RANK", "2"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}},
+                   [] {
+                     const auto env = worker_env_from_environment();
+                     ASSERT_TRUE(env);
+                     EXPECT_EQ(env->rank, 2);
+                     EXPECT_EQ(env->world_size, 3);
+                     EXPECT_EQ(env->node_rank, 2);
+                     EXPECT_EQ(env->master_addr, "10.0.0.1");
+                   });
+  with_environment({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
+                    {"SLURM_TASKS_PER_NODE", "4(x2)"}, {"SLURM_NODEID", "1"}, {"SLURM_JOB_NODELIST", "gpu[003-004]"}},
+                   [] {
+                     const auto env = worker_env_from_environment();
+                     ASSERT_TRUE(env);
+                     EXPECT_EQ(env->rank, 5);
+                     EXPECT_EQ(env->world_size, 8);
+                     EXPECT_EQ(env->local_rank, 1);
+                     EXPECT_EQ(env->local_world_size, 4);
+                     EXPECT_EQ(env->master_addr, "gpu003");
+                     EXPECT_EQ(env->master_port, 29500);
+                   });
+  with_environment({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_NODELIST", "gpu[003-004]"},
+                    {"MASTER_ADDR", "head"}, {"MASTER_PORT", "4000"}},
+                   [] {
+                     const auto env = worker_env_from_environment();
+                     EXPECT_EQ(env->master_addr, "head");
+                     EXPECT_EQ(env->master_port, 4000);
+                   });
+  with_environment({{"MNIST_DDP_NNODES", "2"}, {"GROUP_RANK", "1"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "2"},
+                    {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}},
+                   [] {
+                     const auto env = worker_env_from_environment();
+                     ASSERT_TRUE(env);
+                     EXPECT_EQ(env->rank, -1);  // agreed through the store
+                     EXPECT_EQ(env->nnodes, 2);
+                     EXPECT_EQ(env->node_rank, 1);
+                   });
+  with_environment({{"RANK", "3"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}},
+                   [] { EXPECT_THROW(worker_env_from_environment(), UsageError); });
+}
+
+TEST(Options, SeveralNodesNeedAPortAndAValidNodeRank) {
+  EXPECT_EQ(parse({"--nnodes", "2"}).master_port, 29500);
+  EXPECT_NE(usage_error({"--nnodes", "2", "--node-rank", "2"}).find("--node-rank 2: must be below --nnodes 2"),
+            std::string::npos);
+  EXPECT_NE(usage_error({"--nnodes", "2", "--master-port", "0"}).find("single node only"), std::string::npos);
+  const auto settings = shared_settings(parse({"--nnodes", "2", "--node-rank", "1", "--nproc", "3"}));
+  std::map<std::string, std::string> shared(settings.begin(), settings.end());
+  EXPECT_EQ(shared.count("node_rank") + shared.count("nproc") + shared.count("path"), 0u);
+  EXPECT_EQ(shared.at("nnodes"), "2");
+  EXPECT_EQ(shared.at("compression"), "powersgd_fp16");
 }
 
 }  // namespace

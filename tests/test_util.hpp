@@ -7,7 +7,9 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -117,12 +119,14 @@ inline std::string read_text(const std::string& path) {
   return s.str();
 }
 
-// A child process running the mnist_ddp binary, its output going to a file.
+// A child process running the mnist_ddp binary (or, with `command`, any
+// program found on PATH), its output going to a file.
 class Process {
  public:
   Process(const std::vector<std::string>& args, const std::string& output_file,
-          const std::vector<std::string>& extra_env = {}) {
-    std::vector<std::string> argv{MNIST_DDP_BINARY};
+          const std::vector<std::string>& extra_env = {}, bool command = false) {
+    std::vector<std::string> argv;
+    if (!command) argv.push_back(MNIST_DDP_BINARY);
     argv.insert(argv.end(), args.begin(), args.end());
     pid_ = fork();
     if (pid_ == 0) {
@@ -134,7 +138,7 @@ class Process {
       std::vector<char*> cargv;
       for (auto& a : argv) cargv.push_back(a.data());
       cargv.push_back(nullptr);
-      execv(cargv[0], cargv.data());
+      execvp(cargv[0], cargv.data());
       _exit(127);
     }
   }
@@ -187,6 +191,19 @@ inline std::vector<pid_t> children_of(pid_t pid) {
 
 inline bool process_exists(pid_t pid) { return kill(pid, 0) == 0 || errno != ESRCH; }
 
+// A TCP port that was free a moment ago.
+inline int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
 // Polls `done` every 20 ms until it holds or `limit` passes.
 inline bool eventually(const std::function<bool()>& done, std::chrono::milliseconds limit) {
   const auto deadline = std::chrono::steady_clock::now() + limit;
@@ -195,6 +212,18 @@ inline bool eventually(const std::function<bool()>& done, std::chrono::milliseco
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return done();
+}
+
+// For a test that made itself a child subreaper: reaps what has exited and
+// waits until no child is left.
+inline bool no_children_left(std::chrono::milliseconds limit) {
+  return eventually(
+      [] {
+        while (waitpid(-1, nullptr, WNOHANG) > 0) {
+        }
+        return children_of(getpid()).empty();
+      },
+      limit);
 }
 
 }  // namespace mnist_ddp::test

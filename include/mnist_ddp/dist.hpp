@@ -31,11 +31,15 @@ using Group = c10d::ProcessGroup;
 #endif
 using GroupPtr = c10::intrusive_ptr<Group>;
 using StorePtr = c10::intrusive_ptr<c10d::Store>;
+using Settings = std::vector<std::pair<std::string, std::string>>;
+
+class Heartbeat;
 
 struct Dist {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
+  int node_rank = 0;
   std::string backend = "gloo";         // "gloo" or "nccl"
   torch::Device device = torch::kCPU;   // where this worker's tensors live
   std::chrono::milliseconds timeout{300'000};
@@ -52,8 +56,15 @@ struct Dist {
   // addresses.
   GroupPtr new_group(const std::string& name) const;
 
+  // The ranks whose heartbeat stopped: after a collective failed, who is
+  // gone. Watches the store for a few seconds; rank 0 when the store
+  // itself is gone (rank 0 hosts it).
+  std::vector<int> silent_ranks() const;
+
  private:
+  friend Dist connect(const WorkerEnv&, const Placement&, double, const Settings&);
   mutable int groups_created_ = 0;
+  std::shared_ptr<Heartbeat> heartbeat_;  // every rank beats into the store once a second
 };
 
 // Builds a Dist over an existing store (tests use a HashStore shared by
@@ -61,11 +72,15 @@ struct Dist {
 Dist make_dist(StorePtr store, int rank, int world_size, const std::string& backend, torch::Device device,
                std::chrono::milliseconds timeout);
 
-// Joins the job described by the environment: rank 0 hosts the TCPStore
-// (reporting its port when asked to), the others connect to it. Throws
-// std::runtime_error with a one-line reason (port in use, store unreachable,
-// a peer that never arrives).
-Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_seconds);
+// Joins the job described by the environment. Rank 0 hosts the TCPStore
+// (reporting its port when asked to); the others connect to it. When the
+// environment leaves ranks open (our launcher's workers), the nodes agree
+// on them there: each node's local rank 0 announces its worker count, and
+// node 0's ranks come first, then node 1's, and so on. Every rank then
+// compares its `settings` with rank 0's. Throws std::runtime_error with a
+// one-line reason: port in use, store unreachable, a node or rank that
+// never arrives, two nodes with one --node-rank, a setting that differs.
+Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_seconds, const Settings& settings);
 
 // Makes `device` current for the calling thread (a no-op on CPU).
 void use_device(const torch::Device& device);

@@ -32,12 +32,18 @@ struct Placement {
 // Throws UsageError for a device that does not exist or NCCL without CUDA.
 Placement plan_placement(const Options& opts);
 
-// A worker's place in the job, as read from its environment.
+// A worker's place in the job, as read from its environment: torchrun's
+// variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK),
+// Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; node 0 is the first
+// host of SLURM_JOB_NODELIST unless MASTER_ADDR says), or our launcher's,
+// which leaves RANK and WORLD_SIZE to be agreed through the store.
 struct WorkerEnv {
-  int rank = 0;
-  int world_size = 1;
+  int rank = -1;        // -1: agreed through the store (see dist.hpp)
+  int world_size = -1;  // likewise
   int local_rank = 0;
   int local_world_size = 1;
+  int node_rank = 0;
+  int nnodes = 1;
   std::string master_addr;
   int master_port = 0;
   // Set by our launcher on rank 0 when --master-port is 0: rank 0 binds a free
@@ -48,9 +54,12 @@ struct WorkerEnv {
   int error_report_fd = -1;
 };
 
-// Reports a worker's fatal error: to the launcher when it listens, else on
-// stderr; rank 0 also writes it to its log file.
-void report_worker_error(const WorkerEnv& env, const std::string& message);
+// The first host of a Slurm node list: "gpu[003-005,010],cpu7" -> "gpu003".
+std::string first_slurm_host(const std::string& nodelist);
+
+// Reports a worker's fatal error, naming it by `rank` when the job has
+// agreed on ranks (-1 before): to the launcher when it listens, else on stderr.
+void report_worker_error(const WorkerEnv& env, int rank, const std::string& message);
 
 // The worker identity when this process was started as a worker (by our
 // launcher or an external one); nullopt when it should be the launcher.

@@ -45,8 +45,11 @@ struct Options {
   std::vector<int> gpus;      // CUDA device ids, one worker each; empty: all visible
   std::string backend = "auto";   // auto | nccl | gloo
   int nproc = 2;              // worker processes when training on CPU
-  std::string master_addr = "127.0.0.1";  // host of the rank-0 store
-  int master_port = 0;        // 0: rank 0 picks a free port (single node only)
+  int nnodes = 1;             // machines in the job, each running one launcher
+  int node_rank = 0;          // this machine's place among them; node 0 hosts the store
+  std::string master_addr = "127.0.0.1";  // node 0's address (or $MASTER_ADDR)
+  int master_port = 0;        // node 0's store port (or $MASTER_PORT); 0: a free one, single node
+                              // only; 29500 when several nodes and none is given
   double timeout = 300;       // seconds a rendezvous or collective may wait
 
   // --- Data and run length. ---
@@ -68,6 +71,11 @@ struct Options {
   // start and used to compare settings across processes.
   std::vector<std::pair<std::string, std::string>> arguments;
 };
+
+// The settings every rank of a job must share, as (name, value): the
+// arguments minus those that are each machine's own (paths, devices, node
+// rank, ...). Ranks compare them at start-up.
+std::vector<std::pair<std::string, std::string>> shared_settings(const Options& opts);
 
 // A bad command line. what() is a single line that names the flag.
 struct UsageError : std::runtime_error {

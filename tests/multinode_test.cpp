@@ -1,0 +1,150 @@
+// More than one machine, played on one: several launchers (or torchrun-style
+// processes) meeting at node 0's store over loopback, and, where this
+// machine lets us, over a virtual network between two network namespaces.
+#include <gtest/gtest.h>
+
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include "test_util.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+using namespace std::chrono_literals;
+using test::eventually;
+using test::Process;
+using test::read_text;
+using test::TempDir;
+
+int exit_code(int status) { return status == -1 ? -1 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
+
+class MultiNode : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_EQ(prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
+    test::write_synthetic_mnist(dir_ / "data", 1024, 128);
+    port_ = std::to_string(test::free_port());
+  }
+  void TearDown() override {
+    EXPECT_TRUE(test::no_children_left(15s)) << "a process was left running";
+  }
+  // One node's command line; `path` is that node's own directory.
+  std::vector<std::string> node(int rank, int nproc, const std::string& path, std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"--backend", "gloo", "--nnodes", "2", "--node-rank", std::to_string(rank),
+                                     "--nproc", std::to_string(nproc), "--master-port", port_, "--epochs", "1",
+                                     "--compression", "powersgd_fp16", "--start-powersgd-iter", "4",
+                                     "--data-dir", dir_ / "data", "--path", path, "--timeout", "20"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  }
+  TempDir dir_;
+  std::string port_;
+};
+
+TEST_F(MultiNode, TwoLaunchersOfDifferentSizesTrainAsOneJob) {
+  Process node1(node(1, 1, dir_ / "node1"), dir_ / "node1.txt");
+  Process node0(node(0, 2, dir_ / "node0"), dir_ / "node0.txt");
+  EXPECT_EQ(exit_code(node0.wait(180s)), 0) << read_text(dir_ / "node0.txt");
+  EXPECT_EQ(exit_code(node1.wait(30s)), 0) << read_text(dir_ / "node1.txt");
+  const std::string log = read_text(dir_ / "node0/mnist_train.log");
+  EXPECT_NE(log.find("Process group: gloo over 3 rank(s)"), std::string::npos) << log;
+  EXPECT_NE(log.find("Replicas: all 3 ranks hold identical parameters"), std::string::npos) << log;
+  EXPECT_NE(log.find("Compression: powersgd_fp16 "), std::string::npos);
+  EXPECT_FALSE(test::fs::exists(dir_ / "node1/mnist_train.log")) << "only rank 0 writes the log";
+}
+
+TEST_F(MultiNode, TorchrunStyleProcessesRunAsOneWorkerEachWithoutForking) {
+  std::vector<std::unique_ptr<Process>> ranks;
+  const std::vector<std::string> args = {"--compression", "none", "--epochs", "1", "--data-dir", dir_ / "data",
+                                         "--path", dir_ / "out", "--timeout", "20"};
+  for (int r = 0; r < 3; ++r)
+    ranks.push_back(std::make_unique<Process>(
+        args, dir_ / ("rank" + std::to_string(r) + ".txt"),
+        std::vector<std::string>{"RANK=" + std::to_string(r), "WORLD_SIZE=3", "LOCAL_RANK=" + std::to_string(r),
+                                 "LOCAL_WORLD_SIZE=3", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port_}));
+  // While they train, none has a child.
+  ASSERT_TRUE(eventually([&] { return read_text(dir_ / "out/mnist_train.log").find("Train Epoch: 0 [") != std::string::npos; }, 60s));
+  for (const auto& p : ranks) EXPECT_TRUE(test::children_of(p->pid()).empty()) << "a worker forked";
+  for (int r = 0; r < 3; ++r)
+    EXPECT_EQ(exit_code(ranks[r]->wait(180s)), 0) << read_text(dir_ / ("rank" + std::to_string(r) + ".txt"));
+  const std::string log = read_text(dir_ / "out/mnist_train.log");
+  EXPECT_NE(log.find("Replicas: all 3 ranks hold identical parameters"), std::string::npos) << log;
+}
+
+TEST_F(MultiNode, ANodeThatNeverStartsIsATimeoutNamingIt) {
+  auto args = node(0, 2, dir_ / "node0");
+  args.back() = "4";  // --timeout 4
+  const auto start = std::chrono::steady_clock::now();
+  Process node0(args, dir_ / "node0.txt");
+  const int code = exit_code(node0.wait(60s));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 4s + 10s);
+  EXPECT_EQ(code, 1);
+  const std::string out = read_text(dir_ / "node0.txt");
+  EXPECT_NE(out.find("node 1 of 2 never joined within 4 s: start mnist_ddp there with --nnodes 2 --node-rank"),
+            std::string::npos)
+      << out;
+}
+
+TEST_F(MultiNode, ASettingThatDiffersBetweenNodesIsRefusedByName) {
+  Process node1(node(1, 1, dir_ / "node1", {"--batch-size", "64"}), dir_ / "node1.txt");
+  Process node0(node(0, 2, dir_ / "node0"), dir_ / "node0.txt");
+  EXPECT_EQ(exit_code(node0.wait(60s)), 1);
+  EXPECT_EQ(exit_code(node1.wait(60s)), 1);
+  for (const std::string output : {dir_ / "node0.txt", dir_ / "node1.txt"}) {
+    const std::string text = read_text(output);
+    EXPECT_NE(text.find("--batch-size differs between ranks: rank 0 has '32', rank 2 has '64'"), std::string::npos)
+        << output << ": " << text;
+  }
+}
+
+TEST_F(MultiNode, ANodeThatDiesStopsTheOthersNamingTheLostRank) {
+  Process node1(node(1, 1, dir_ / "node1", {"--epochs", "50"}), dir_ / "node1.txt");
+  Process node0(node(0, 2, dir_ / "node0", {"--epochs", "50"}), dir_ / "node0.txt");
+  ASSERT_TRUE(eventually([&] { return read_text(dir_ / "node0/mnist_train.log").find("Train Epoch: 0 [") != std::string::npos; }, 60s));
+  const auto killed = std::chrono::steady_clock::now();
+  kill(node1.pid(), SIGKILL);  // node 1's worker dies with it
+  const int code = exit_code(node0.wait(60s));
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, 30s);
+  EXPECT_NE(code, 0);
+  const std::string out = read_text(dir_ / "node0.txt");
+  EXPECT_NE(out.find("lost rank 2"), std::string::npos) << out;
+  node1.wait(5s);
+}
+
+// Two machines for real: two network namespaces joined by a veth pair, each
+// with its own address, node 0 at 10.231.7.1 and node 1 at 10.231.7.2.
+TEST_F(MultiNode, TwoNodesOverAVirtualNetwork) {
+  if (geteuid() != 0) GTEST_SKIP() << "network namespaces need root";
+  const std::string id = std::to_string(getpid() % 100000);
+  const std::string a = "mnddp_a" + id, b = "mnddp_b" + id;
+  auto sh = [](const std::string& command) { return std::system((command + " >/dev/null 2>&1").c_str()) == 0; };
+  if (!sh("command -v ip")) GTEST_SKIP() << "no 'ip' command (iproute2)";
+  const bool made = sh("ip netns add " + a) && sh("ip netns add " + b) &&
+                    sh("ip link add va" + id + " netns " + a + " type veth peer name vb" + id + " netns " + b) &&
+                    sh("ip -n " + a + " addr add 10.231.7.1/24 dev va" + id) &&
+                    sh("ip -n " + b + " addr add 10.231.7.2/24 dev vb" + id) &&
+                    sh("ip -n " + a + " link set va" + id + " up") && sh("ip -n " + b + " link set vb" + id + " up") &&
+                    sh("ip -n " + a + " link set lo up") && sh("ip -n " + b + " link set lo up");
+  struct Cleanup {
+    std::function<void()> f;
+    ~Cleanup() { f(); }
+  } cleanup{[&] { sh("ip netns del " + a); sh("ip netns del " + b); }};
+  if (!made) GTEST_SKIP() << "this machine does not allow creating network namespaces and a veth pair";
+
+  auto in = [&](const std::string& ns, std::vector<std::string> args) {
+    args.insert(args.begin(), {"ip", "netns", "exec", ns, MNIST_DDP_BINARY});
+    return args;
+  };
+  const std::vector<std::string> addr = {"--master-addr", "10.231.7.1"};
+  Process node1(in(b, node(1, 1, dir_ / "node1", addr)), dir_ / "node1.txt", {}, /*command=*/true);
+  Process node0(in(a, node(0, 2, dir_ / "node0", addr)), dir_ / "node0.txt", {}, /*command=*/true);
+  EXPECT_EQ(exit_code(node0.wait(180s)), 0) << read_text(dir_ / "node0.txt");
+  EXPECT_EQ(exit_code(node1.wait(30s)), 0) << read_text(dir_ / "node1.txt");
+  const std::string log = read_text(dir_ / "node0/mnist_train.log");
+  EXPECT_NE(log.find("Replicas: all 3 ranks hold identical parameters"), std::string::npos) << log;
+  EXPECT_NE(log.find("master_addr: 10.231.7.1"), std::string::npos) << log;
+}
+
+}  // namespace
+}  // namespace mnist_ddp
