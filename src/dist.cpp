@@ -113,8 +113,12 @@ void wait_for(c10d::Store& store, const std::vector<std::string>& keys, std::chr
     store.wait(keys, timeout);
   } catch (const std::exception&) {
     std::vector<std::string> missing;
-    for (const auto& k : keys)
-      if (!store.check({k})) missing.push_back(k);
+    try {
+      for (const auto& k : keys)
+        if (!store.check({k})) missing.push_back(k);
+    } catch (const std::exception& e) {
+      throw PeerLost("lost the rendezvous store (its host, rank 0, stopped): " + error_text(e));
+    }
     if (missing.empty()) throw;
     throw std::runtime_error(describe(missing));
   }

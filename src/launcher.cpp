@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <thread>
@@ -26,6 +27,7 @@ namespace mnist_ddp {
 namespace {
 
 constexpr auto kGracePeriod = std::chrono::seconds(5);  // SIGTERM, then SIGKILL
+constexpr auto kCauseWait = std::chrono::seconds(3);    // for the cause behind an echoed failure
 
 [[noreturn]] void fail_errno(const std::string& what) {
   throw std::runtime_error(what + ": " + std::strerror(errno));
@@ -95,6 +97,12 @@ int exit_code_of(int status) {
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return 1;
 }
+
+// A worker's reported error; `echo` when it only follows from another's.
+struct Report {
+  std::string message;
+  bool echo = false;
+};
 
 struct Worker {
   int rank = 0;  // local rank: its place on this node
@@ -256,10 +264,39 @@ class Launcher {
     while ((nl = error_text_.find('\n')) != std::string::npos) {
       const std::string line = error_text_.substr(0, nl);
       error_text_.erase(0, nl + 1);
-      const size_t tab = line.find('\t');
-      if (tab == std::string::npos) continue;
-      errors_.emplace(std::atoi(line.substr(0, tab).c_str()), line.substr(tab + 1));
+      const size_t tab = line.find('\t'), tab2 = line.find('\t', tab + 1);
+      if (tab2 == std::string::npos) continue;
+      const bool echo = line.compare(tab + 1, tab2 - tab - 1, "echo") == 0;
+      errors_.emplace(std::atoi(line.substr(0, tab).c_str()), Report{line.substr(tab2 + 1), echo});
     }
+  }
+
+  struct Failure {
+    int rank = 0;
+    pid_t pid = -1;
+    int status = 0;
+    const Report* report = nullptr;  // what the worker said, if it said anything
+    bool echo() const { return report && report->echo; }
+  };
+
+  // Reaps the workers that have exited; returns the first failure, preferring
+  // one that is not only an echo of another.
+  std::optional<Failure> reap() {
+    std::optional<Failure> found;
+    int status = 0;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+      for (auto& w : workers_) {
+        if (w.pid != pid || !w.running) continue;
+        w.running = false;
+        if (status == 0) continue;
+        read_errors();  // a worker reports before it exits
+        const auto it = errors_.find(w.rank);
+        const Failure failure{w.rank, pid, status, it != errors_.end() && WIFEXITED(status) ? &it->second : nullptr};
+        if (!found || (found->echo() && !failure.echo())) found = failure;
+      }
+    }
+    return found;
   }
 
   // Returns -1 to keep going, else the launcher's exit code.
@@ -272,25 +309,25 @@ class Launcher {
       stop_all();
       return 128 + sig;
     }
-    int status = 0;
-    pid_t pid;
-    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
-      for (auto& w : workers_) {
-        if (w.pid != pid || !w.running) continue;
-        w.running = false;
-        if (status == 0) continue;
-        read_errors();  // a worker reports before it exits
-        if (const auto it = errors_.find(w.rank); it != errors_.end() && WIFEXITED(status)) {
-          std::cerr << "mnist_ddp: error: " << it->second << std::endl;
-        } else {
-          std::cerr << "mnist_ddp: worker " << (opts_.nnodes > 1 ? "local rank " : "rank ") << w.rank << " (pid "
-                    << pid << ") " << describe_status(status) << "; stopping the other workers" << std::endl;
-        }
-        stop_all();
-        return exit_code_of(status);
-      }
+    std::optional<Failure> failure = reap();
+    if (!failure) return -1;
+    // A worker that lost its peer or the store: give the others a moment to
+    // exit with the cause.
+    const auto deadline = std::chrono::steady_clock::now() + kCauseWait;
+    while (failure->echo() && std::chrono::steady_clock::now() < deadline &&
+           std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; })) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      if (auto other = reap(); other && !other->echo()) failure = other;
     }
-    return -1;
+    if (failure->report) {
+      std::cerr << "mnist_ddp: error: " << failure->report->message << std::endl;
+    } else {
+      std::cerr << "mnist_ddp: worker " << (opts_.nnodes > 1 ? "local rank " : "rank ") << failure->rank
+                << " (pid " << failure->pid << ") " << describe_status(failure->status)
+                << "; stopping the other workers" << std::endl;
+    }
+    stop_all();
+    return exit_code_of(failure->status);
   }
 
   // SIGTERM every running worker, SIGKILL what is left after the grace
@@ -323,7 +360,7 @@ class Launcher {
   int port_fd_ = -1;
   int error_fd_ = -1, error_write_fd_ = -1;
   std::string error_text_;
-  std::map<int, std::string> errors_;  // local rank -> its first reported error
+  std::map<int, Report> errors_;  // local rank -> its first reported error
 };
 
 }  // namespace
@@ -427,13 +464,14 @@ std::optional<WorkerEnv> worker_env_from_environment() {
   return env;
 }
 
-void report_worker_error(const WorkerEnv& env, int rank, const std::string& message) {
+void report_worker_error(const WorkerEnv& env, int rank, const std::string& message, bool echo) {
   const std::string who = rank >= 0 ? "rank " + std::to_string(rank)
                                     : "node " + std::to_string(env.node_rank) + " local rank " +
                                           std::to_string(env.local_rank);
   if (env.error_report_fd >= 0) {
     // One write below PIPE_BUF: never interleaved with another worker's.
-    std::string line = std::to_string(env.local_rank) + "\t" + who + ": " + message.substr(0, 3000) + "\n";
+    std::string line = std::to_string(env.local_rank) + (echo ? "\techo\t" : "\tcause\t") + who + ": " +
+                       message.substr(0, 3000) + "\n";
     if (write(env.error_report_fd, line.data(), line.size()) == static_cast<ssize_t>(line.size())) return;
   }
   std::cerr << "mnist_ddp: error: " << who << ": " << message << std::endl;

@@ -480,6 +480,7 @@ int run_worker(const Options& opts, const WorkerEnv& env) {
   int code = 1;
   std::unique_ptr<Dist> dist;
   std::string message;
+  bool echo = false;  // the error only follows from another process's failure
   try {
     const Placement placement = plan_placement(opts);
     configure_worker_process(env.local_world_size);
@@ -495,6 +496,9 @@ int run_worker(const Options& opts, const WorkerEnv& env) {
   } catch (const UsageError& e) {
     message = e.what();
     code = 2;
+  } catch (const PeerLost& e) {
+    message = e.what();
+    echo = true;
   } catch (const std::exception& e) {
     message = error_line(e);
     // A collective that failed (LibTorch's or Gloo's error): name who went silent.
@@ -503,13 +507,14 @@ int run_worker(const Options& opts, const WorkerEnv& env) {
       const std::vector<int> silent = dist->silent_ranks();
       std::string who;
       for (int r : silent) who += (who.empty() ? "" : ", ") + std::to_string(r);
-      if (!silent.empty())
+      echo = !silent.empty();
+      if (echo)
         message = "lost rank" + std::string(silent.size() > 1 ? "s " : " ") + who +
                   (silent == std::vector<int>{0} ? " (the store's host)" : "") + ": " + message;
     }
   }
   log_error_to_file(message);
-  report_worker_error(env, dist ? dist->rank : env.rank, message);
+  report_worker_error(env, dist ? dist->rank : env.rank, message, echo);
   // Leave without destructors: a process group or the DDP thread could wait
   // for peers that are gone.
   std::cout.flush();

@@ -35,6 +35,12 @@ using Settings = std::vector<std::pair<std::string, std::string>>;
 
 class Heartbeat;
 
+// A failure that only echoes another process's: the store or a peer went
+// away. The launcher prefers a cause reported by another worker.
+struct PeerLost : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 struct Dist {
   int rank = 0;
   int world_size = 1;

@@ -59,7 +59,8 @@ std::string first_slurm_host(const std::string& nodelist);
 
 // Reports a worker's fatal error, naming it by `rank` when the job has
 // agreed on ranks (-1 before): to the launcher when it listens, else on stderr.
-void report_worker_error(const WorkerEnv& env, int rank, const std::string& message);
+// `echo`: the error only follows from another process's failure (PeerLost).
+void report_worker_error(const WorkerEnv& env, int rank, const std::string& message, bool echo);
 
 // The worker identity when this process was started as a worker (by our
 // launcher or an external one); nullopt when it should be the launcher.
