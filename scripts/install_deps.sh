@@ -10,6 +10,7 @@ packages=(
   libcli11-dev libspdlog-dev libfmt-dev libgtest-dev zlib1g-dev
   python3 curl ca-certificates    # scripts/fetch_data.sh
   python3-torch                   # tests: Python loads the models we save
+  gnuplot-nox                     # scripts/plot_metrics.sh
   iproute2                        # tests: two nodes in two network namespaces
 )
 

@@ -2,10 +2,14 @@
 """Reads mnist_ddp's own log lines back into numbers, for the bench scripts.
 
     python3 scripts/runlog.py hooks RUN_DIR...   prints the hooks table
+    python3 scripts/runlog.py bench FACTS JSON RUN_DIR...
+        prints scripts/bench.sh's table and writes its figures to JSON
 
 Each RUN_DIR is one run's --path (its mnist_train.log); runs of the same
---compression are repeats, summarised by their median.
+--compression are repeats, summarised by their median. FACTS holds
+scripts/bench.sh's other measurements, one "key=value" per line.
 """
+import json
 import os
 import re
 import statistics
@@ -18,6 +22,7 @@ PATTERNS = {
         r"backward ([\d.]+) of which ([\d.]+) waiting on communication, optimizer ([\d.]+)\)"),
     "wire": re.compile(r"Compression: \S+ (\d+) bytes/step on the wire, ([\d.]+)x less than none"),
     "test": re.compile(r"Test Epoch: \d+: Average loss: ([\d.]+), Top 1 Acc: ([\d.]+)%"),
+    "startup": re.compile(r"Startup: first step ([\d.]+) s after launch"),
 }
 
 
@@ -37,6 +42,8 @@ def parse(run_dir):
     tests = PATTERNS["test"].findall(text)
     if tests:
         run["test_loss"], run["top1"] = float(tests[-1][0]), float(tests[-1][1])
+    if m := PATTERNS["startup"].search(text):
+        run["startup_s"] = float(m.group(1))
     missing = {"compression", "images_per_s", "bytes_per_step", "top1"} - run.keys()
     if missing:
         sys.exit(f"runlog: {run_dir}: no {', '.join(sorted(missing))} in mnist_train.log (did the run fail?)")
@@ -53,6 +60,9 @@ def median_by(runs, key):
             for name, group in groups.items()}
 
 
+HOOKS = ["none", "fp16", "powersgd", "powersgd_fp16", "batched_powersgd_fp16"]
+
+
 def hooks_table(run_dirs):
     runs = median_by([parse(d) for d in run_dirs], "compression")
     none = runs["none"]
@@ -60,7 +70,7 @@ def hooks_table(run_dirs):
     print(f"| hook | images/s | vs none | ms/step | ms/step waiting on communication | bytes/step on the wire "
           f"| less than none | test top-1 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name in ["none", "fp16", "powersgd", "powersgd_fp16", "batched_powersgd_fp16"]:
+    for name in HOOKS:
         if name not in runs:
             continue
         r = runs[name]
@@ -70,7 +80,101 @@ def hooks_table(run_dirs):
     print(f"\nMedians of {repeats} alternating run(s) per hook, {int(none['steps'])} steps each.")
 
 
+def read_facts(path):
+    """FACTS as a dict of lists: a key given once per round has one value per round."""
+    facts = {}
+    with open(path) as f:
+        for line in f:
+            key, _, value = line.rstrip("\n").partition("=")
+            facts.setdefault(key, []).append(value)
+    return facts
+
+
+def limit(lines):
+    """The median of compute-limit rounds: "images/s ms/step forward backward optimizer"."""
+    keys = ["images_per_s", "ms_per_step", "forward_ms", "backward_ms", "optimizer_ms"]
+    rounds = [dict(zip(keys, map(float, line.split()))) for line in lines]
+    return {k: statistics.median(r[k] for r in rounds) for k in keys}
+
+
+def bench_table(facts_path, json_path, run_dirs):
+    facts = read_facts(facts_path)
+    hooks = median_by([parse(d) for d in run_dirs], "compression")
+    tuned = limit(facts["limit_tuned"])
+    plain = limit(facts["limit_plain"]) if "limit_plain" in facts else None
+    processes = int(facts["processes"][0])
+    ends = {}
+    for key, values in facts.items():
+        if key.startswith("e2e_"):
+            run_dir, millis = values[0].split()
+            ends[key[4:]] = dict(parse(run_dir), wall_s=int(millis) / 1000)
+    for r in hooks.values():
+        r["scaling_efficiency"] = r["images_per_s"] / (processes * tuned["images_per_s"])
+        r["vs_none"] = r["images_per_s"] / hooks["none"]["images_per_s"]
+
+    def dash(value, form):
+        return "-" if value is None else format(value, form)
+
+    print(f"Fashion-MNIST, batch 32 per process; device: {facts['device'][0]}; CPU: {facts['cpu'][0]} cores; "
+          f"BLAS: {facts['blas'][0]}\n")
+    print("| run | images/s | ms/step | forward | backward | of which waiting | optimizer | bytes/step on the wire "
+          "| vs none | scaling efficiency | test top-1 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label, r in [("compute limit, 1 core, as set up here", tuned),
+                     ("compute limit, 1 core, LibTorch as installed", plain)]:
+        if r:
+            print(f"| {label} | {r['images_per_s']:.0f} | {r['ms_per_step']:.1f} | {r['forward_ms']:.1f} "
+                  f"| {r['backward_ms']:.1f} | - | {r['optimizer_ms']:.1f} | - | - | - | - |")
+    for name in HOOKS:
+        r = hooks[name]
+        print(f"| {processes} processes, {name} | {r['images_per_s']:.0f} | {r['ms_per_step']:.1f} "
+              f"| {r['forward_ms']:.1f} | {r['backward_ms']:.1f} | {r['waiting_ms']:.1f} | {r['optimizer_ms']:.1f} "
+              f"| {int(r['bytes_per_step']):,} | {100 * r['vs_none']:.0f}% | {r['scaling_efficiency']:.2f} "
+              f"| {r['top1']:.2f}% |")
+    for name, r in ends.items():
+        print(f"| one full epoch, {name}: {r['wall_s']:.1f} s from launch (startup {r['startup_s']:.2f} s) "
+              f"| {r['images_per_s']:.0f} | {r['ms_per_step']:.1f} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} "
+              f"| {r['waiting_ms']:.1f} | {r['optimizer_ms']:.1f} | {int(r['bytes_per_step']):,} | - "
+              f"| {r['images_per_s'] / (processes * tuned['images_per_s']):.2f} | {r['top1']:.2f}% |")
+
+    steps = int(hooks["none"]["steps"])
+    rounds = len(run_dirs) // len(hooks)
+    print(f"\nHooks: medians of {rounds} alternating round(s) of {steps} steps, PowerSGD from step 10; "
+          f"limits: medians of {len(facts['limit_tuned'])} rounds.")
+    targets = {
+        "scaling_efficiency_none": [hooks["none"]["scaling_efficiency"], ">=", 0.90],
+        "scaling_efficiency_powersgd_fp16": [hooks["powersgd_fp16"]["scaling_efficiency"], ">=", 0.90],
+        "slowest_hook_vs_none": [min(r["vs_none"] for r in hooks.values()), ">=", 0.95],
+        "startup_s": [max(r["startup_s"] for r in ends.values()), "<", 3.0],
+    }
+    if plain:
+        targets["limit_vs_installed"] = [tuned["images_per_s"] / plain["images_per_s"], ">=", 1.5]
+    print("\n| target | measured | goal | met |\n|---|---:|---:|---|")
+    for name, (value, op, goal) in targets.items():
+        met = value >= goal if op == ">=" else value < goal
+        print(f"| {name.replace('_', ' ')} | {value:.2f} | {op} {goal} | {'yes' if met else 'no'} |")
+    if "breakdown" in facts:
+        print(f"\nWhere a {processes}-process step goes (ms/step; \"local\": DDP without communication): "
+              f"{facts['breakdown'][0]}")
+
+    results = {
+        "machine": {"device": facts["device"][0], "cpu": facts["cpu"][0], "blas": facts["blas"][0],
+                    "processes": processes},
+        "compute_limit": {"tuned": tuned, "as_installed": plain},
+        "hooks": hooks,
+        "end_to_end": ends,
+        "targets": {name: {"measured": value, "goal": f"{op} {goal}"} for name, (value, op, goal) in targets.items()},
+        "breakdown": facts.get("breakdown", [None])[0],
+    }
+    with open(json_path, "w") as f:
+        json.dump(results, f, indent=2)
+        f.write("\n")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] != "hooks":
+    if len(sys.argv) >= 3 and sys.argv[1] == "hooks":
+        hooks_table(sys.argv[2:])
+    elif len(sys.argv) >= 5 and sys.argv[1] == "bench":
+        bench_table(sys.argv[2], sys.argv[3], sys.argv[4:])
+    else:
         sys.exit(__doc__)
-    hooks_table(sys.argv[2:])

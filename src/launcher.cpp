@@ -305,6 +305,7 @@ class Launcher {
     if (read(signal_fd_, &info, sizeof info) != sizeof info) return -1;
     const int sig = static_cast<int>(info.ssi_signo);
     if (sig != SIGCHLD) {
+      if (isatty(STDERR_FILENO)) std::cerr << "\r\033[K";  // rank 0's progress line
       std::cout << "KeyboardInterrupt received. Terminating processes..." << std::endl;
       stop_all();
       return 128 + sig;

@@ -1,23 +1,82 @@
 #include "mnist_ddp/logging.hpp"
 
+#include <sys/ioctl.h>
+#include <unistd.h>
+
+#include <spdlog/sinks/base_sink.h>
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 namespace mnist_ddp {
 namespace {
+
+// The console of a terminal: log lines scroll above a progress line that is
+// redrawn in place.
+class TerminalSink : public spdlog::sinks::base_sink<std::mutex> {
+ public:
+  void show(const std::string& progress) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    erase();
+    progress_ = progress;
+    draw();
+    std::fflush(stderr);
+  }
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    spdlog::memory_buf_t line;
+    formatter_->format(msg, line);
+    erase();
+    std::fwrite(line.data(), 1, line.size(), stderr);
+    draw();
+    std::fflush(stderr);
+  }
+  void flush_() override { std::fflush(stderr); }
+
+ private:
+  void erase() {
+    if (!progress_.empty()) std::fputs("\r\033[K", stderr);
+  }
+  // Cut to the terminal's width: a wrapped line could not be redrawn in place.
+  void draw() {
+    if (progress_.empty()) return;
+    winsize size{};
+    const size_t width = ioctl(STDERR_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 1 ? size.ws_col - 1 : 79;
+    std::fputs(progress_.substr(0, width).c_str(), stderr);
+  }
+
+  std::string progress_;
+};
+
 bool g_ready = false;
 spdlog::sink_ptr g_file_sink;
+std::shared_ptr<TerminalSink> g_terminal;
+
+bool is_terminal() {
+  const char* term = std::getenv("TERM");
+  return isatty(STDERR_FILENO) && !(term && std::string(term) == "dumb");
 }
+
+}  // namespace
 
 void init_logging(const std::string& dir, int rank) {
   const std::string pattern = rank == 0 ? "%m/%d %I:%M:%S %p | %v"
                                         : "%m/%d %I:%M:%S %p | [rank " + std::to_string(rank) + "] %v";
-  std::vector<spdlog::sink_ptr> sinks{std::make_shared<spdlog::sinks::stderr_sink_mt>()};
+  std::vector<spdlog::sink_ptr> sinks;
+  if (rank == 0 && is_terminal()) {
+    g_terminal = std::make_shared<TerminalSink>();
+    sinks.push_back(g_terminal);
+  } else {
+    sinks.push_back(std::make_shared<spdlog::sinks::stderr_sink_mt>());
+  }
   if (rank == 0) {
     const std::string file = (std::filesystem::path(dir) / "mnist_train.log").string();
     try {
@@ -36,6 +95,12 @@ void init_logging(const std::string& dir, int rank) {
 }
 
 bool logging_ready() { return g_ready; }
+
+bool progress_shown() { return g_terminal != nullptr; }
+
+void show_progress(const std::string& line) {
+  if (g_terminal) g_terminal->show(line);
+}
 
 void log_error_to_file(const std::string& message) {
   if (!g_file_sink) return;

@@ -1,6 +1,8 @@
 // mnist_ddp: parse options, then either launch the workers or be one.
 #include <sys/stat.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -11,6 +13,7 @@
 
 int main(int argc, char** argv) {
   using namespace mnist_ddp;
+  const auto launched = std::chrono::system_clock::now().time_since_epoch();
   umask(umask(0) | S_IWOTH);  // nothing we create is world-writable, whatever the caller's umask
   try {
     const std::optional<Options> opts = parse_options(argc, argv);
@@ -18,6 +21,8 @@ int main(int argc, char** argv) {
     if (const auto env = worker_env_from_environment()) return run_worker(*opts, *env);
     const Placement placement = plan_placement(*opts);
     preflight(*opts);
+    // The workers time their start-up from here.
+    setenv("MNIST_DDP_LAUNCH_TIME", std::to_string(std::chrono::duration<double>(launched).count()).c_str(), 1);
     return run_launcher(*opts, placement, std::vector<std::string>(argv, argv + argc));
   } catch (const UsageError& e) {
     std::cerr << "mnist_ddp: error: " << e.what() << std::endl;

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <thread>
 
@@ -80,6 +81,72 @@ std::string error_line(const std::exception& e) {
   return msg.substr(0, msg.find('\n'));
 }
 
+// Seconds since the Unix epoch, as the launcher hands it to the workers.
+double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// When the job was launched: by our launcher (MNIST_DDP_LAUNCH_TIME), else
+// when this worker started.
+double launch_time() {
+  static const double started = unix_seconds();
+  const char* launched = std::getenv("MNIST_DDP_LAUNCH_TIME");
+  return launched ? std::atof(launched) : started;
+}
+
+// <path>/metrics.csv on rank 0: a row per logged training step and per test,
+// flushed as it is written. A resumed run keeps the rows up to its checkpoint.
+class MetricsFile {
+ public:
+  static constexpr const char* kHeader = "epoch,step,split,loss,top1,top5,lr,images_per_s,wire_bytes_per_step";
+
+  MetricsFile(const std::string& file, int64_t resumed_step) {
+    std::vector<std::string> kept;
+    if (resumed_step >= 0) {
+      std::ifstream in(file);
+      std::string line;
+      std::getline(in, line);
+      while (std::getline(in, line)) {
+        const size_t comma = line.find(',');
+        if (comma != std::string::npos && std::atoll(line.c_str() + comma + 1) <= resumed_step) kept.push_back(line);
+      }
+    }
+    out_.open(file, std::ios::trunc);
+    if (!out_) throw std::runtime_error("cannot write " + file);
+    out_ << kHeader << "\n";
+    for (const auto& line : kept) out_ << line << "\n";
+    out_.flush();
+  }
+
+  void train(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr, double images_per_s,
+             double bytes_per_step) {
+    out_ << fmt::format("{},{},train,{:.6f},{:.4f},{:.4f},{:.6g},{:.1f},{:.0f}\n", epoch, step, loss, top1, top5, lr,
+                        images_per_s, bytes_per_step);
+    out_.flush();
+  }
+
+  void test(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr) {
+    out_ << fmt::format("{},{},test,{:.6f},{:.4f},{:.4f},{:.6g},,\n", epoch, step, loss, top1, top5, lr);
+    out_.flush();
+  }
+
+ private:
+  std::ofstream out_;
+};
+
+// "Epoch 3 [=======>            ] 640/1875  1234 images/s  loss 0.2345  ETA 1:05"
+std::string progress_line(int64_t epoch, int64_t done, int64_t total, double images_per_s, double loss,
+                          double eta_seconds) {
+  constexpr int kWidth = 20;
+  const int filled = static_cast<int>(kWidth * done / std::max<int64_t>(1, total));
+  std::string bar(kWidth, ' ');
+  for (int i = 0; i < filled; ++i) bar[i] = '=';
+  if (filled < kWidth) bar[filled] = '>';
+  const auto eta = static_cast<int64_t>(eta_seconds + 0.5);
+  return fmt::format("Epoch {} [{}] {}/{}  {:.0f} images/s  loss {:.4f}  ETA {}:{:02d}", epoch, bar, done, total,
+                     images_per_s, loss, eta / 60, eta % 60);
+}
+
 // Where the training steps' time went, and what they sent.
 struct StepStats {
   int64_t steps = 0;
@@ -103,6 +170,7 @@ class Trainer {
   void log_train(int64_t epoch, int64_t batch, int64_t batches, const torch::Tensor& loss, const torch::Tensor& output,
                  const torch::Tensor& labels);
   void evaluate(int64_t epoch);
+  double current_lr() const { return optimizer_->param_groups()[0].options().get_lr(); }
   void log_summary() const;
   void check_replicas();
   void restore(const TensorDict& training);
@@ -122,6 +190,10 @@ class Trainer {
   int64_t start_epoch_ = 0, start_batch_ = 0;
   double best_accuracy_ = 0;
   StepStats stats_;
+  std::optional<MetricsFile> metrics_;  // rank 0
+  // Since the last metrics row: when, how many images (all ranks), steps and bytes.
+  Clock::time_point row_time_ = Clock::now();
+  int64_t row_images_ = 0, row_steps_ = 0, row_bytes_ = 0;
 };
 
 Trainer::Trainer(const Options& opts, Dist& dist)
@@ -194,6 +266,8 @@ Trainer::Trainer(const Options& opts, Dist& dist)
   optimizer_ = std::make_unique<torch::optim::SGD>(
       ddp_->parameters(), torch::optim::SGDOptions(opts.lr).momentum(opts.momentum).weight_decay(opts.weight_decay));
   if (!resumed.empty()) restore(resumed);
+  if (dist.rank == 0)
+    metrics_.emplace((fs::path(opts.path) / "metrics.csv").string(), resumed.empty() ? -1 : step_);
 }
 
 void Trainer::restore(const TensorDict& t) {
@@ -309,8 +383,12 @@ int64_t Trainer::train_epoch(int64_t epoch, int64_t first) {
   const torch::Tensor indices = sampler_.indices();
   const int64_t batches = num_batches(indices.size(0), opts_.batch_size);
   const auto start = Clock::now();
+  row_time_ = start;
+  row_images_ = row_steps_ = row_bytes_ = 0;
   const int64_t bytes_at_start = ddp_->wire().bytes_sent(), elements_at_start = ddp_->wire().elements_sent();
   int64_t steps = 0, images = 0, b = first;
+  double smoothed_loss = 0;  // rank 0's own, for the progress line
+  auto drawn = Clock::now() - std::chrono::seconds(1);
   for (; b < batches; ++b) {
     if (max_steps_reached()) {
       spdlog::info("Stopping after --max-steps {} steps", opts_.max_steps);
@@ -325,13 +403,16 @@ int64_t Trainer::train_epoch(int64_t epoch, int64_t first) {
     const int64_t bytes_before = ddp_->wire().bytes_sent();
     const double waiting_before = ddp_->communication_wait_seconds();
 
+    if (stats_.steps + steps == 0)
+      spdlog::info("Startup: first step {:.2f} s after launch", unix_seconds() - launch_time());
     const auto t0 = Clock::now();
     optimizer_->zero_grad();
     const torch::Tensor output = ddp_->forward(x);
     // The model ends in log_softmax, so the reference's cross-entropy on its
     // output equals the negative log-likelihood of that output.
     const torch::Tensor loss = torch::nll_loss(output, y);
-    if (const double value = loss.item<double>(); !std::isfinite(value))
+    const double value = loss.item<double>();
+    if (!std::isfinite(value))
       throw std::runtime_error(fmt::format(
           "the loss is {} at epoch {}, step {} (batch {}): training diverged; try a smaller --lr{}", value, epoch,
           step_, b,
@@ -353,8 +434,19 @@ int64_t Trainer::train_epoch(int64_t epoch, int64_t first) {
     ++step_;
     ++steps;
     images += y.size(0) * dist_.world_size;
+    row_images_ += y.size(0) * dist_.world_size;
+    ++row_steps_;
+    row_bytes_ += ddp_->wire().bytes_sent() - bytes_before;
     if (b % opts_.log_interval == 0) log_train(epoch, b, batches, loss, output, y);
+    smoothed_loss = steps == 1 ? value : 0.9 * smoothed_loss + 0.1 * value;
+    if (progress_shown() && (Clock::now() - drawn > std::chrono::milliseconds(100) || b + 1 == batches)) {
+      drawn = Clock::now();
+      const double elapsed = seconds_since(start);
+      show_progress(progress_line(epoch, b + 1, batches, images / elapsed, smoothed_loss,
+                                  elapsed / steps * static_cast<double>(batches - b - 1)));
+    }
   }
+  show_progress("");
   const double seconds = seconds_since(start);
   stats_.steps += steps;
   stats_.images += images;
@@ -378,6 +470,13 @@ void Trainer::log_train(int64_t epoch, int64_t batch, int64_t batches, const tor
   const auto m = metrics.accessor<double, 1>();
   spdlog::info("Train Epoch: {} [{}/{}\t({:.0f}%)]\tLoss: {:.6f}\tTop 1 Acc: {:.2f}%\tTop 5 Acc: {:.2f}%", epoch,
                batch, batches, 100.0 * static_cast<double>(batch) / static_cast<double>(batches), m[0], m[1], m[2]);
+  if (metrics_) {
+    const double seconds = seconds_since(row_time_);
+    metrics_->train(epoch, step_, m[0], m[1], m[2], current_lr(), static_cast<double>(row_images_) / seconds,
+                    static_cast<double>(row_bytes_) / static_cast<double>(std::max<int64_t>(1, row_steps_)));
+  }
+  row_time_ = Clock::now();
+  row_images_ = row_steps_ = row_bytes_ = 0;
 }
 
 void Trainer::evaluate(int64_t epoch) {
@@ -405,6 +504,7 @@ void Trainer::evaluate(int64_t epoch) {
   const double accuracy = 100.0 * s[1] / s[3];
   spdlog::info("Test Epoch: {}: Average loss: {:.4f}, Top 1 Acc: {:.2f}%, Top 5 Acc: {:.2f}%\n", epoch, s[0] / s[3],
                accuracy, 100.0 * s[2] / s[3]);
+  if (metrics_) metrics_->test(epoch, step_, s[0] / s[3], accuracy, 100.0 * s[2] / s[3], current_lr());
   if (accuracy > best_accuracy_) {
     best_accuracy_ = accuracy;
     spdlog::info("Save model with best accuracy: {:.4f}%", best_accuracy_);
@@ -513,6 +613,7 @@ int run_worker(const Options& opts, const WorkerEnv& env) {
                   (silent == std::vector<int>{0} ? " (the store's host)" : "") + ": " + message;
     }
   }
+  show_progress("");
   log_error_to_file(message);
   report_worker_error(env, dist ? dist->rank : env.rank, message, echo);
   // Leave without destructors: a process group or the DDP thread could wait

@@ -1,7 +1,18 @@
-// mnist_ddp_bench: measurements that need no dataset, each printed as a table.
+// mnist_ddp_bench: measurements that need no dataset.
 //
-//   mnist_ddp_bench sync-bn [STEPS]   cost of SyncBatchNorm per training step,
-//                                     2 CPU processes over Gloo
+//   mnist_ddp_bench sync-bn [STEPS]    cost of SyncBatchNorm per training step,
+//                                      2 CPU processes over Gloo (a table)
+//   mnist_ddp_bench breakdown [STEPS]  where a 2-process step's time goes: ms
+//                                      per step with BatchNorm2d or
+//                                      SyncBatchNorm, each with DDP keeping
+//                                      local gradients or averaging them
+//   mnist_ddp_bench compute-limit [STEPS] [--plain | --cuda]
+//                                      one process on one core, no DDP, no
+//                                      communication: Net's training step at
+//                                      batch 32; --plain skips the worker's
+//                                      process set-up (LibTorch's defaults),
+//                                      --cuda runs on the first GPU.
+//                                      Prints "images/s ms/step forward backward optimizer".
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -12,6 +23,7 @@
 #include <filesystem>
 #include <iostream>
 #include <string>
+#include <thread>
 
 #include "mnist_ddp/comm_hooks.hpp"
 #include "mnist_ddp/ddp.hpp"
@@ -61,12 +73,21 @@ bool run_processes(int world, const std::function<void(Dist&)>& fn) {
   return ok;
 }
 
-// Milliseconds per training step of Net under DDP (no compression), batch 32.
-double ms_per_step(Dist& dist, bool sync_bn, int steps) {
+// Keeps each rank's own gradients: DDP's machinery without communication.
+class LocalHook : public CommHook {
+ public:
+  std::string name() const override { return "local"; }
+  FuturePtr run(GradBucket& bucket, Wire&) override { return completed_future(bucket.buffer); }
+};
+
+// Milliseconds per training step of Net under DDP, batch 32.
+double ms_per_step(Dist& dist, bool sync_bn, int steps, bool communicate = true) {
   torch::manual_seed(0);
   Net net;
   if (sync_bn) convert_sync_batchnorm(*net, dist.group);
-  DistributedDataParallel ddp(torch::nn::AnyModule(net), dist, std::make_unique<AllreduceHook>(), 25);
+  std::unique_ptr<CommHook> hook;
+  if (communicate) hook = std::make_unique<AllreduceHook>(); else hook = std::make_unique<LocalHook>();
+  DistributedDataParallel ddp(torch::nn::AnyModule(net), dist, std::move(hook), 25);
   torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   const auto x = torch::randn({32, 1, 28, 28});
   const auto y = torch::randint(0, 10, {32}, torch::kInt64);
@@ -103,12 +124,70 @@ int sync_bn(int steps) {
   return ok ? 0 : 1;
 }
 
+int breakdown(int steps) {
+  const bool ok = run_processes(2, [&](Dist& dist) {
+    double t[4] = {0, 0, 0, 0};
+    for (int round = 0; round < 3; ++round)
+      for (int v = 0; v < 4; ++v) t[v] += ms_per_step(dist, v / 2 == 1, steps, v % 2 == 1) / 3;
+    if (dist.rank == 0)
+      std::printf("BN local %.2f | BN none %.2f | SyncBN local %.2f | SyncBN none %.2f ms/step\n", t[0], t[1], t[2], t[3]);
+  });
+  return ok ? 0 : 1;
+}
+
+void synchronize(const torch::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+int compute_limit(int steps, const std::string& how) {
+  const bool plain = how == "--plain";
+  const torch::Device device = how == "--cuda" ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  if (plain) {
+    at::set_num_threads(1);
+  } else {
+    configure_worker_process(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  }
+  torch::manual_seed(0);
+  Net net;
+  net->to(device);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9).weight_decay(5e-4));
+  const auto x = torch::randn({32, 1, 28, 28}).to(device);
+  const auto y = torch::randint(0, 10, {32}, torch::kInt64).to(device);
+  double forward = 0, backward = 0, optimizer = 0;
+  auto step = [&](bool timed) {
+    const auto t0 = Clock::now();
+    opt.zero_grad();
+    const auto loss = torch::nll_loss(net->forward(x), y);
+    synchronize(device);
+    const auto t1 = Clock::now();
+    loss.backward();
+    synchronize(device);
+    const auto t2 = Clock::now();
+    opt.step();
+    synchronize(device);
+    const auto t3 = Clock::now();
+    if (!timed) return;
+    forward += std::chrono::duration<double, std::milli>(t1 - t0).count();
+    backward += std::chrono::duration<double, std::milli>(t2 - t1).count();
+    optimizer += std::chrono::duration<double, std::milli>(t3 - t2).count();
+  };
+  for (int i = 0; i < 5; ++i) step(false);
+  const auto start = Clock::now();
+  for (int i = 0; i < steps; ++i) step(true);
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count() / steps;
+  std::printf("%.1f %.2f %.2f %.2f %.2f\n", 32 * 1000.0 / ms, ms, forward / steps, backward / steps, optimizer / steps);
+  return 0;
+}
+
 }  // namespace
 }  // namespace mnist_ddp
 
 int main(int argc, char** argv) {
   const std::string what = argc > 1 ? argv[1] : "";
   if (what == "sync-bn") return mnist_ddp::sync_bn(argc > 2 ? std::stoi(argv[2]) : 40);
-  std::cerr << "usage: mnist_ddp_bench sync-bn [STEPS]\n";
+  if (what == "breakdown") return mnist_ddp::breakdown(argc > 2 ? std::stoi(argv[2]) : 40);
+  if (what == "compute-limit")
+    return mnist_ddp::compute_limit(argc > 2 ? std::stoi(argv[2]) : 100, argc > 3 ? argv[3] : "");
+  std::cerr << "usage: mnist_ddp_bench sync-bn [STEPS] | breakdown [STEPS] | compute-limit [STEPS] [--plain | --cuda]\n";
   return 2;
 }

@@ -1,6 +1,9 @@
 // The smoke run: the binary trains on the MNIST that scripts/fetch_data.sh provides.
 #include <gtest/gtest.h>
 
+#include <poll.h>
+#include <pty.h>
+
 #include <map>
 #include <regex>
 
@@ -49,6 +52,105 @@ TEST(EndToEnd, TwoGlooWorkersLearnMnistInOneEpoch) {
   EXPECT_GE(accuracy, 85.0) << log;
   EXPECT_TRUE(test::fs::exists(dir / "out/mnist_model.pt"));
   EXPECT_NE(console.find("The folder '" + dir / "out" + "' was created."), std::string::npos) << console;
+  EXPECT_TRUE(std::regex_search(log, std::regex(R"(\| Startup: first step \d+\.\d\d s after launch)"))) << log;
+  // Not a terminal: no progress line.
+  EXPECT_EQ(console.find('\r'), std::string::npos);
+  EXPECT_EQ(console.find("ETA"), std::string::npos);
+
+  // metrics.csv: a row per logged training step, one per test, matching the log.
+  std::istringstream metrics(read_text(dir / "out/metrics.csv"));
+  std::string line;
+  std::getline(metrics, line);
+  EXPECT_EQ(line, "epoch,step,split,loss,top1,top5,lr,images_per_s,wire_bytes_per_step");
+  std::vector<std::string> train_losses, tests;
+  while (std::getline(metrics, line)) {
+    std::vector<std::string> cell;
+    std::istringstream cells(line);
+    for (std::string c; std::getline(cells, c, ',');) cell.push_back(c);
+    if (line.find(",test,") != std::string::npos) {
+      EXPECT_EQ(line.substr(line.size() - 2), ",,") << "a test row has no speed or bytes: " << line;
+      cell.resize(9);
+    }
+    ASSERT_EQ(cell.size(), 9u) << line;
+    EXPECT_EQ(cell[0], "0");
+    EXPECT_EQ(cell[6], "0.01");
+    if (cell[2] == "train") {
+      train_losses.push_back(cell[3]);
+      EXPECT_GT(std::stod(cell[7]), 0) << line;
+      EXPECT_EQ(cell[8], "4800296") << line;  // none sends every gradient in float32
+    } else {
+      tests.push_back(cell[4]);
+    }
+  }
+  static const std::regex logged_loss(R"(Train Epoch: 0 \[\d+/\d+\t\(\d+%\)\]\tLoss: (\d+\.\d{6}))");
+  std::vector<std::string> logged;
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), logged_loss); it != std::sregex_iterator(); ++it)
+    logged.push_back((*it)[1]);
+  EXPECT_EQ(train_losses, logged);
+  ASSERT_EQ(tests.size(), 1u);
+  EXPECT_NEAR(std::stod(tests[0]), accuracy, 0.005);
+}
+
+// Runs the binary on a new pseudo-terminal; returns what the terminal showed.
+std::string run_on_terminal(const std::vector<std::string>& args, int* status) {
+  int master = -1;
+  const pid_t pid = forkpty(&master, nullptr, nullptr, nullptr);
+  if (pid == 0) {
+    setenv("TERM", "xterm", 1);
+    std::vector<std::string> argv = {MNIST_DDP_BINARY};
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::vector<char*> cargv;
+    for (auto& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    execv(cargv[0], cargv.data());
+    _exit(127);
+  }
+  std::string shown;
+  const auto deadline = std::chrono::steady_clock::now() + 300s;
+  char buf[4096];
+  for (;;) {
+    pollfd fd = {master, POLLIN, 0};
+    if (std::chrono::steady_clock::now() > deadline || poll(&fd, 1, 1000) < 0) break;
+    if (fd.revents == 0) continue;
+    const ssize_t got = read(master, buf, sizeof buf);
+    if (got <= 0) break;  // EIO: every process on the terminal has closed it
+    shown.append(buf, static_cast<size_t>(got));
+  }
+  close(master);
+  kill(pid, SIGKILL);
+  waitpid(pid, status, 0);
+  return shown;
+}
+
+TEST(EndToEnd, ATerminalShowsAProgressLineAndMetricsPlot) {
+  TempDir dir;
+  test::write_synthetic_mnist(dir / "data", 2048, 256);
+  int status = 0;
+  const std::string shown = run_on_terminal({"--backend", "gloo", "--nproc", "2", "--epochs", "1", "--compression",
+                                             "none", "--data-dir", dir / "data", "--path", dir / "out"},
+                                            &status);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << shown;
+  // Redrawn in place under the log lines: "Epoch 0 [====>   ] 12/32  850 images/s  loss 1.2345  ETA 0:03".
+  EXPECT_TRUE(std::regex_search(
+      shown, std::regex(R"(\r\x1b\[KEpoch 0 \[=*>? *\] \d+/32  \d+ images/s  loss \d+\.\d{4}  ETA \d+:\d\d)")))
+      << shown;
+  EXPECT_NE(shown.find("Epoch 0 [====================] 32/32"), std::string::npos) << shown;
+  // Gone before the next log line, and never in the log file.
+  EXPECT_TRUE(std::regex_search(shown, std::regex(R"(ETA \d+:\d\d\r\x1b\[K\d\d/\d\d )"))) << shown;
+  EXPECT_EQ(read_text(dir / "out/mnist_train.log").find("ETA"), std::string::npos);
+
+  // Two runs' curves side by side in one PNG.
+  test::fs::copy(dir / "out", dir / "copy", test::fs::copy_options::recursive);
+  const std::string plot = dir / "curves.png";
+  const std::string command = "bash " + std::string(MNIST_DDP_SOURCE_DIR) + "/scripts/plot_metrics.sh '" + plot +
+                              "' '" + dir / "out" + "' '" + dir / "copy/metrics.csv" + "' >'" + dir / "plot.txt" +
+                              "' 2>&1";
+  ASSERT_EQ(std::system(command.c_str()), 0) << read_text(dir / "plot.txt");
+  EXPECT_EQ(read_text(plot).substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+  const std::string refused = "bash " + std::string(MNIST_DDP_SOURCE_DIR) + "/scripts/plot_metrics.sh '" + plot +
+                              "' '" + dir / "out/mnist_train.log" + "' >'" + dir / "plot.txt" + "' 2>&1";
+  EXPECT_NE(std::system(refused.c_str()), 0);
+  EXPECT_NE(read_text(dir / "plot.txt").find("not a metrics.csv written by mnist_ddp"), std::string::npos);
 }
 
 // Every hook trains Net as well as plain allreduce does: within 1.5 points

@@ -5,6 +5,9 @@
 // does) and to <dir>/mnist_train.log; other ranks write only warnings and
 // errors, to the console, prefixed with "[rank N]". Code logs with
 // spdlog::info/warn/error and never asks which rank it is on.
+//
+// When rank 0's console is a terminal, a progress line stays under the log
+// lines (show_progress); elsewhere it is never drawn.
 #pragma once
 
 #include <string>
@@ -16,6 +19,12 @@ void init_logging(const std::string& dir, int rank);
 
 // Whether init_logging() has run in this process.
 bool logging_ready();
+
+// Whether show_progress() draws anything in this process.
+bool progress_shown();
+
+// Replaces the progress line under the log; "" removes it.
+void show_progress(const std::string& line);
 
 // Logs an error line to the log file only (rank 0), for errors whose
 // console line someone else prints.

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The benchmark: builds Release, then runs a fixed protocol on Fashion-MNIST
+# (60,000 training and 10,000 test images), prints one markdown table and
+# writes bench/results.json.
+#
+#   bash scripts/bench.sh [--gpu] [--steps 300] [--rounds 2]
+#
+#   1. compute limit: one process, one core, no DDP and no communication,
+#      Net's training step at batch 32, as set up here (OpenBLAS, worker
+#      process settings) and as LibTorch comes (its reference BLAS, defaults);
+#   2. each hook on 2 Gloo processes (--gpu: one NCCL process per GPU) for
+#      --steps steps, --rounds alternating rounds, medians;
+#   3. scaling efficiency: 2-process images/s over twice the per-core limit;
+#   4. end to end: launch to the end of one full epoch, evaluation and model
+#      save included, for none and for powersgd_fp16 (compressing from step 10).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+steps=300 rounds=2 gpu=()
+placement=(--backend gloo --nproc 2)
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    --steps) steps="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    --gpu) gpu=(--gpu); placement=(--backend nccl); shift ;;
+    *) echo "usage: bash scripts/bench.sh [--gpu] [--steps N] [--rounds R]" >&2; exit 2 ;;
+  esac
+done
+bash scripts/install_deps.sh >/dev/null
+bash scripts/fetch_data.sh fashion-mnist >/dev/null
+bash scripts/build.sh --target mnist_ddp --target mnist_ddp_bench >/dev/null
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+facts="$out/facts"
+bench=./build/tests/mnist_ddp_bench
+
+echo "bench: compute limit, 3 alternating rounds" >&2
+# LibTorch as installed: Debian's reference BLAS, whatever BLAS alternative is
+# selected now.
+reference_blas=/usr/lib/x86_64-linux-gnu/blas
+for round in 1 2 3; do
+  if [ -n "${gpu[*]}" ]; then
+    echo "limit_tuned=$("$bench" compute-limit 200 --cuda)" >>"$facts"
+  else
+    echo "limit_tuned=$("$bench" compute-limit 200)" >>"$facts"
+    echo "limit_plain=$(LD_LIBRARY_PATH="$reference_blas" "$bench" compute-limit 100 --plain)" >>"$facts"
+  fi
+done
+if [ -z "${gpu[*]}" ]; then
+  echo "bench: where a 2-process step's time goes" >&2
+  echo "breakdown=$("$bench" breakdown 40)" >>"$facts"
+fi
+
+echo "bench: the five hooks, $rounds round(s) of $steps steps" >&2
+bash scripts/bench_hooks.sh --steps "$steps" --rounds "$rounds" --keep "$out/hooks" "${gpu[@]}" >/dev/null
+
+for hook in none powersgd_fp16; do
+  echo "bench: one full epoch with $hook" >&2
+  start=$(date +%s%N)
+  if ! ./build/mnist_ddp "${placement[@]}" --dataset fashion-mnist --epochs 1 --compression "$hook" \
+      --start-powersgd-iter 10 --checkpoint-every 0 --path "$out/e2e-$hook" >"$out/e2e-$hook.txt" 2>&1; then
+    echo "bench: the one-epoch $hook run failed:" >&2
+    tail -n 5 "$out/e2e-$hook.txt" >&2
+    exit 1
+  fi
+  end=$(date +%s%N)
+  echo "e2e_$hook=$out/e2e-$hook $(((end - start) / 1000000))" >>"$facts"
+done
+
+{
+  echo "cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//') x $(nproc)"
+  echo "blas=$(readlink -f /usr/lib/x86_64-linux-gnu/libblas.so.3)"
+  if [ -n "${gpu[*]}" ]; then
+    echo "device=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+    echo "processes=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)"
+  else
+    echo "device=cpu"
+    echo "processes=2"
+  fi
+} >>"$facts"
+mkdir -p bench
+python3 scripts/runlog.py bench "$facts" bench/results.json "$out"/hooks/*/
