@@ -127,7 +127,7 @@ def bench_table(facts_path, json_path, run_dirs):
                   f"| {r['backward_ms']:.1f} | - | {r['optimizer_ms']:.1f} | - | - | - | - |")
     for name in HOOKS:
         r = hooks[name]
-        print(f"| {processes} processes, {name} | {r['images_per_s']:.0f} | {r['ms_per_step']:.1f} "
+        print(f"| {processes} process{'es' if processes > 1 else ''}, {name} | {r['images_per_s']:.0f} | {r['ms_per_step']:.1f} "
               f"| {r['forward_ms']:.1f} | {r['backward_ms']:.1f} | {r['waiting_ms']:.1f} | {r['optimizer_ms']:.1f} "
               f"| {int(r['bytes_per_step']):,} | {100 * r['vs_none']:.0f}% | {r['scaling_efficiency']:.2f} "
               f"| {r['top1']:.2f}% |")

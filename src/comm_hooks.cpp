@@ -110,7 +110,7 @@ void GroupWire::ring_allreduce(torch::Tensor& tensor) {
 
 FuturePtr Fp16Wire::send_half(torch::Tensor tensor, torch::Tensor half) {
   return below_.allreduce_sum(half)->then(
-      [tensor, half](c10::ivalue::Future& sent) mutable {
+      [tensor, half](c10::ivalue::Future& sent) {
         sent.value();  // rethrows a failed collective
         tensor.copy_(half);
         return c10::IValue(tensor);
@@ -121,9 +121,8 @@ FuturePtr Fp16Wire::send_half(torch::Tensor tensor, torch::Tensor half) {
 FuturePtr Fp16Wire::allreduce_sum(torch::Tensor tensor) { return send_half(tensor, tensor.to(torch::kHalf)); }
 
 FuturePtr Fp16Wire::allreduce_mean(torch::Tensor tensor) {
-  auto half = torch::empty(tensor.sizes(), tensor.options().dtype(torch::kHalf));
-  torch::div_out(half, tensor, world_size());  // divided in float32, stored in float16: one pass
-  return send_half(tensor, half);
+  tensor.div_(world_size());  // in float32, before float16 could overflow; the result replaces it anyway
+  return allreduce_sum(tensor);
 }
 
 FuturePtr AllreduceHook::run(GradBucket& bucket, Wire& wire) { return wire.allreduce_mean(bucket.buffer); }

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 #include "mnist_ddp/checkpoint.hpp"
@@ -69,7 +70,9 @@ std::string resume_dir(const Options& opts) {
 template <typename Map>
 typename Map::key_type optimizer_key(const Map&, const torch::Tensor& parameter) {
   if constexpr (std::is_same_v<typename Map::key_type, std::string>) {
-    return c10::guts::to_string(parameter.unsafeGetTensorImpl());
+    std::ostringstream key;  // as LibTorch 1.x writes it: the TensorImpl's address
+    key << parameter.unsafeGetTensorImpl();
+    return key.str();
   } else {
     return static_cast<typename Map::key_type>(parameter.unsafeGetTensorImpl());
   }

@@ -134,8 +134,8 @@ TEST(PowerSgd, WarmStartApproachesTheBestRankRApproximation) {
   // A fixed matrix, fed every step: warm-started PowerSGD is subspace
   // iteration and must approach the SVD's rank-2 error.
   torch::manual_seed(4);
-  const auto u = std::get<0>(torch::linalg::qr(torch::randn({60, 60})));
-  const auto v = std::get<0>(torch::linalg::qr(torch::randn({50, 50})));
+  const auto u = std::get<0>(at::linalg_qr(torch::randn({60, 60})));
+  const auto v = std::get<0>(at::linalg_qr(torch::randn({50, 50})));
   auto sigma = torch::zeros({60, 50});
   const std::vector<float> values = {10, 8, 4, 3, 2, 1.5, 1, 0.5};
   for (size_t i = 0; i < values.size(); ++i) sigma[i][i] = values[i];
@@ -231,7 +231,7 @@ TEST(PowerSgd, SaveAndRestoreResumeBitIdentically) {
 }
 
 TEST(Hooks, EveryRankEndsEveryStepWithBitIdenticalGradients) {
-  for (const std::string name : kCompressions) {
+  for (const std::string& name : kCompressions) {
     std::vector<Net> nets;
     for (int r = 0; r < 2; ++r) nets.emplace_back();
     std::vector<std::vector<torch::Tensor>> last(2);

@@ -67,7 +67,9 @@ void expect_one_error_line(const Outcome& o, int code, const std::string& piece,
     }
   }
   EXPECT_EQ(errors, 1) << o.output;
-  if (!training_began) EXPECT_EQ(others, 0) << o.output;
+  if (!training_began) {
+    EXPECT_EQ(others, 0) << o.output;
+  }
   EXPECT_EQ(o.output.find("Exception raised from"), std::string::npos) << o.output;
   EXPECT_EQ(o.output.find("terminate called"), std::string::npos) << o.output;
 }

@@ -91,7 +91,7 @@ TEST_F(MultiNode, ASettingThatDiffersBetweenNodesIsRefusedByName) {
   Process node0(node(0, 2, dir_ / "node0"), dir_ / "node0.txt");
   EXPECT_EQ(exit_code(node0.wait(60s)), 1);
   EXPECT_EQ(exit_code(node1.wait(60s)), 1);
-  for (const std::string output : {dir_ / "node0.txt", dir_ / "node1.txt"}) {
+  for (const std::string& output : {dir_ / "node0.txt", dir_ / "node1.txt"}) {
     const std::string text = read_text(output);
     EXPECT_NE(text.find("--batch-size differs between ranks: rank 0 has '32', rank 2 has '64'"), std::string::npos)
         << output << ": " << text;
