@@ -187,14 +187,22 @@ void orthogonalize(torch::Tensor& matrix, double epsilon) {
 // averaged gradients. M is built in the error's own buffer (error += g, and
 // later error -= result), which saves PyTorch's copy of the bucket.
 
-FuturePtr PowerSgdHook::run(GradBucket& bucket, Wire& wire) {
+FuturePtr PowerSgdBase::run(GradBucket& bucket, Wire& wire) {
+  FuturePtr result;
+  if (compression_started()) {
+    compress(bucket, wire);
+    result = completed_future(bucket.buffer);
+  } else {
+    result = wire.allreduce_mean(bucket.buffer);
+  }
+  if (bucket.is_last) state_.finish_step();
+  return result;
+}
+
+void PowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
   PowerSgdState& st = state_;
   const PowerSgdOptions& opt = st.options;
   torch::Tensor& input = bucket.buffer;
-  if (st.iter < opt.start_iter) {
-    if (bucket.is_last) st.finish_step();
-    return wire.allreduce_mean(input);
-  }
   const size_t b = bucket.index;
   torch::Tensor error;
   std::vector<torch::Tensor> sources = bucket.gradients;  // what to compress: the views of M
@@ -279,18 +287,12 @@ FuturePtr PowerSgdHook::run(GradBucket& bucket, Wire& wire) {
     }
   }
   if (opt.error_feedback) error.sub_(input);
-  if (bucket.is_last) st.finish_step();
-  return completed_future(input);
 }
 
-FuturePtr BatchedPowerSgdHook::run(GradBucket& bucket, Wire& wire) {
+void BatchedPowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
   PowerSgdState& st = state_;
   const PowerSgdOptions& opt = st.options;
   torch::Tensor& input = bucket.buffer;
-  if (st.iter < opt.start_iter) {
-    if (bucket.is_last) st.finish_step();
-    return wire.allreduce_mean(input);
-  }
   const size_t b = bucket.index;
   const int64_t total = input.numel();
   auto side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(total))));
@@ -332,8 +334,6 @@ FuturePtr BatchedPowerSgdHook::run(GradBucket& bucket, Wire& wire) {
   }
   if (opt.error_feedback) error.sub_(result);
   input.copy_(result.slice(0, 0, total));
-  if (bucket.is_last) st.finish_step();
-  return completed_future(input);
 }
 
 std::unique_ptr<CommHook> make_comm_hook(const std::string& compression, const PowerSgdOptions& powersgd) {

@@ -156,38 +156,45 @@ struct PowerSgdState {
 // norm as PyTorch does.
 void orthogonalize(torch::Tensor& matrix, double epsilon);
 
-// powersgd: per bucket, error feedback; each gradient seen as an n x m
-// matrix (n = its first dimension) is compressed to P [n, r] and Q [m, r]
-// when (n + m) r min_compression_rate < n m; all other gradients go
-// uncompressed in one allreduce, all P in one, all Q in one.
-class PowerSgdHook : public CommHook {
+// What both PowerSGD hooks share: their state, and plain allreduces until
+// start_iter; then compress() averages the bucket in place.
+class PowerSgdBase : public CommHook {
  public:
-  explicit PowerSgdHook(const PowerSgdOptions& options) : state_(options) {}
-  std::string name() const override { return "powersgd"; }
-  FuturePtr run(GradBucket& bucket, Wire& wire) override;
+  FuturePtr run(GradBucket& bucket, Wire& wire) final;
   bool compression_started() const override { return state_.iter >= state_.options.start_iter; }
   HookState state() const override { return state_.save(); }
   void load_state(const HookState& state) override { state_.load(state); }
 
- private:
+ protected:
+  explicit PowerSgdBase(const PowerSgdOptions& options) : state_(options) {}
+  virtual void compress(GradBucket& bucket, Wire& wire) = 0;
   PowerSgdState state_;
+};
+
+// powersgd: per bucket, error feedback; each gradient seen as an n x m
+// matrix (n = its first dimension) is compressed to P [n, r] and Q [m, r]
+// when (n + m) r min_compression_rate < n m; all other gradients go
+// uncompressed in one allreduce, all P in one, all Q in one.
+class PowerSgdHook : public PowerSgdBase {
+ public:
+  explicit PowerSgdHook(const PowerSgdOptions& options) : PowerSgdBase(options) {}
+  std::string name() const override { return "powersgd"; }
+
+ private:
+  void compress(GradBucket& bucket, Wire& wire) override;
 };
 
 // batched_powersgd: the whole bucket as one square matrix of side
 // ceil(sqrt(N)), zero-padded, compressed to P and Q of that side. Works on a
 // padded copy, so the bucket itself never changes size (PyTorch resizes it,
 // which is where its batched hook fails).
-class BatchedPowerSgdHook : public CommHook {
+class BatchedPowerSgdHook : public PowerSgdBase {
  public:
-  explicit BatchedPowerSgdHook(const PowerSgdOptions& options) : state_(options) {}
+  explicit BatchedPowerSgdHook(const PowerSgdOptions& options) : PowerSgdBase(options) {}
   std::string name() const override { return "batched_powersgd"; }
-  FuturePtr run(GradBucket& bucket, Wire& wire) override;
-  bool compression_started() const override { return state_.iter >= state_.options.start_iter; }
-  HookState state() const override { return state_.save(); }
-  void load_state(const HookState& state) override { state_.load(state); }
 
  private:
-  PowerSgdState state_;
+  void compress(GradBucket& bucket, Wire& wire) override;
 };
 
 // The hook for a --compression value.
