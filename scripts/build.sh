@@ -2,12 +2,22 @@
 # Configures and builds Release into build/. Arguments go to cmake --build
 # (for example: --target mnist_ddp).
 #
-# LibTorch: Debian's CPU build by default. For the NCCL path, point CMake at
-# a CUDA LibTorch with CMAKE_PREFIX_PATH, e.g. the one inside PyTorch:
-#   CMAKE_PREFIX_PATH="$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')" bash scripts/build.sh
+# LibTorch, the first that applies:
+#   1. $MNIST_DDP_LIBTORCH: a LibTorch prefix (an unpacked official archive, e.g. /opt/libtorch);
+#   2. the LibTorch inside python3's PyTorch, when that PyTorch has CUDA: the NCCL path is built;
+#   3. Debian's CPU LibTorch (libtorch-dev).
+# build/ is rebuilt from scratch when the LibTorch changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-generator=()
-command -v ninja >/dev/null && [ ! -f build/Makefile ] && generator=(-G Ninja)
-cmake -S . -B build "${generator[@]}" -DCMAKE_BUILD_TYPE=Release >/dev/null
+source scripts/libtorch.sh
+prefix="$(libtorch_prefix)"
+if [ -f build/CMakeCache.txt ] && [ "$(cat build/.libtorch 2>/dev/null)" != "$prefix" ]; then
+  echo "build.sh: LibTorch changed to ${prefix:-the Debian package}; configuring build/ afresh"
+  rm -rf build
+fi
+args=(-DCMAKE_BUILD_TYPE=Release)
+[ -n "$prefix" ] && args+=("-DCMAKE_PREFIX_PATH=$prefix")
+command -v ninja >/dev/null && [ ! -f build/Makefile ] && args+=(-G Ninja)
+cmake -S . -B build "${args[@]}" >/dev/null
+echo "$prefix" > build/.libtorch
 cmake --build build -j "$(nproc)" "$@"

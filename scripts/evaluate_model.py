@@ -55,7 +55,10 @@ def read_idx(raw_dir, stem):
 def main():
     model_path = sys.argv[1]
     raw_dir = sys.argv[2] if len(sys.argv) > 2 else "data/MNIST/raw"
-    state = torch.load(model_path)  # a dict of tensors named as the reference saves them
+    # A dict of tensors named as the reference saves them. LibTorch's writer
+    # tags the dict with its TorchScript type (torch.jit._pickle.restore_type_tag),
+    # which the weights_only default of PyTorch 2.6 and later refuses.
+    state = torch.load(model_path, weights_only=False)
     model = Net()
     model.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
     model.eval()

@@ -3,16 +3,24 @@
 # and fetch its data. Installs only what is missing; safe to run again.
 set -euo pipefail
 
+cd "$(dirname "$0")/.."
+source scripts/libtorch.sh
 packages=(
   g++ cmake ninja-build pkg-config
-  libtorch-dev libgloo-dev        # LibTorch 1.13 (CPU) with c10d; Gloo's headers
-  libopenblas0-openmp             # becomes LibTorch's BLAS: 2x faster steps than the reference BLAS
+  libgloo-dev                     # Gloo's headers (no PyTorch install ships them)
   libcli11-dev libspdlog-dev libfmt-dev libgtest-dev zlib1g-dev
   python3 curl ca-certificates    # scripts/fetch_data.sh
-  python3-torch                   # tests: Python loads the models we save
   gnuplot-nox                     # scripts/plot_metrics.sh
   iproute2                        # tests: two nodes in two network namespaces
 )
+# Debian's LibTorch, unless build.sh will use another (a CUDA PyTorch's, or $MNIST_DDP_LIBTORCH).
+if [ -z "$(libtorch_prefix)" ]; then
+  packages+=(
+    libtorch-dev                  # LibTorch 1.13 (CPU) with c10d
+    libopenblas0-openmp           # becomes LibTorch's BLAS: 2x faster steps than the reference BLAS
+    python3-torch                 # tests: Python loads the models we save
+  )
+fi
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 

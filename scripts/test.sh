@@ -7,4 +7,5 @@ bash scripts/fetch_data.sh mnist
 bash scripts/build.sh
 cd build
 # One test at a time: the process tests time signals and training runs.
-ctest --output-on-failure --timeout 900
+# Long variants (label slow) run with: cd build && ctest -L slow
+ctest --output-on-failure --timeout 900 --label-exclude slow

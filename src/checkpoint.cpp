@@ -1,4 +1,5 @@
 #include "mnist_ddp/checkpoint.hpp"
+#include "mnist_ddp/files.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -10,15 +11,12 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
 
 namespace mnist_ddp {
 namespace {
-
-namespace fs = std::filesystem;
 
 constexpr const char* kFormat = "mnist_ddp checkpoint 1";
 
@@ -65,7 +63,7 @@ struct ManifestFile {
 
 // The generation of the checkpoint in `dir`, 0 if there is none.
 int64_t current_generation(const std::string& dir) {
-  std::ifstream in(fs::path(dir) / "manifest");
+  std::ifstream in(files::join(dir, "manifest"));
   std::string line;
   while (std::getline(in, line)) {
     int64_t generation = 0;
@@ -168,9 +166,7 @@ void save_checkpoint(const std::string& dir, const Checkpoint& c,
   auto done = [&](const std::string& what) {
     if (after_each_write) after_each_write(what);
   };
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) throw std::runtime_error("cannot create checkpoint directory " + dir + ": " + ec.message());
+  files::make_directories(dir);
 
   // Fresh names for every save: the current manifest's files are never touched.
   const std::string generation = std::to_string(current_generation(dir) + 1);
@@ -178,7 +174,7 @@ void save_checkpoint(const std::string& dir, const Checkpoint& c,
   for (const auto& [role, state] : {std::pair<std::string, const TensorDict*>{"model", &c.model}, {"training", &c.training}}) {
     const std::vector<char> bytes = serialize(*state);
     ManifestFile f{role + "-" + generation + ".pt", bytes.size(), crc_of(bytes)};
-    write_file_atomically((fs::path(dir) / f.name).string(), bytes);
+    write_file_atomically(files::join(dir, f.name), bytes);
     done("wrote " + f.name);
     files.emplace_back(role, f);
   }
@@ -201,7 +197,7 @@ void save_checkpoint(const std::string& dir, const Checkpoint& c,
   }
   for (const auto& [name, value] : c.arguments) m << "arg " << name << " " << value << "\n";
   const std::string text = m.str();
-  write_file_atomically((fs::path(dir) / "manifest").string(), std::vector<char>(text.begin(), text.end()));
+  write_file_atomically(files::join(dir, "manifest"), std::vector<char>(text.begin(), text.end()));
   sync_directory(dir);
   done("wrote manifest");
 
@@ -209,20 +205,19 @@ void save_checkpoint(const std::string& dir, const Checkpoint& c,
   // saves that were interrupted.
   std::set<std::string> keep{"manifest"};
   for (const auto& [role, f] : files) keep.insert(f.name);
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
+  for (const auto& name : files::list_directory(dir)) {
     const bool ours = name.rfind("model-", 0) == 0 || name.rfind("training-", 0) == 0 || name.rfind("manifest.tmp", 0) == 0;
-    if (ours && !keep.count(name)) fs::remove(entry.path(), ec);
+    if (ours && !keep.count(name)) files::remove_file(files::join(dir, name));
   }
   done("removed stale files");
 }
 
-bool has_checkpoint(const std::string& dir) { return fs::exists(fs::path(dir) / "manifest"); }
+bool has_checkpoint(const std::string& dir) { return files::exists(files::join(dir, "manifest")); }
 
 Checkpoint load_checkpoint(const std::string& dir) {
-  const std::string manifest = (fs::path(dir) / "manifest").string();
-  if (!fs::is_directory(dir)) throw CheckpointError(dir + " is not a directory holding a checkpoint");
-  if (!fs::exists(manifest)) throw CheckpointError("no checkpoint in " + dir + " (it has no manifest)");
+  const std::string manifest = files::join(dir, "manifest");
+  if (!files::is_directory(dir)) throw CheckpointError(dir + " is not a directory holding a checkpoint");
+  if (!files::exists(manifest)) throw CheckpointError("no checkpoint in " + dir + " (it has no manifest)");
   std::ifstream in(manifest);
   std::string line;
   if (!std::getline(in, line) || line != kFormat)
@@ -257,8 +252,8 @@ Checkpoint load_checkpoint(const std::string& dir) {
   for (const std::string role : {"model", "training"}) {
     if (!files.count(role)) throw CheckpointError(manifest + " names no " + role + " file");
     const ManifestFile& f = files[role];
-    const std::string path = (fs::path(dir) / f.name).string();
-    if (!fs::exists(path)) throw CheckpointError("checkpoint file " + path + " is missing");
+    const std::string path = files::join(dir, f.name);
+    if (!files::exists(path)) throw CheckpointError("checkpoint file " + path + " is missing");
     const std::vector<char> bytes = read_bytes(path);
     if (bytes.size() != f.size)
       throw CheckpointError("checkpoint file " + path + " is truncated (" + std::to_string(bytes.size()) + " of " +

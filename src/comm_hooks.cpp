@@ -67,43 +67,35 @@ FuturePtr Wire::allreduce_mean(torch::Tensor tensor) {
 }
 
 FuturePtr GroupWire::allreduce_sum(torch::Tensor tensor) {
-  elements_ += tensor.numel();
-  bytes_ += tensor.numel() * static_cast<int64_t>(tensor.element_size());
+  stats_.elements += tensor.numel();
+  stats_.bytes += tensor.numel() * static_cast<int64_t>(tensor.element_size());
   constexpr int64_t kRingFrom = 1 << 16;  // elements
   if (tensor.scalar_type() == torch::kHalf && tensor.is_cpu() && tensor.numel() >= kRingFrom && world_size() > 1) {
     ring_allreduce(tensor);
     return completed_future(tensor);
   }
-  std::vector<at::Tensor> tensors{tensor};
-  return group_->allreduce(tensors)->getFuture();
+  return channel_.allreduce_sum(tensor);
 }
 
 // Reduce-scatter then allgather round the ring rank -> rank + 1: each rank
 // sends 2 (W - 1) / W of the tensor, as Gloo's ring does.
 void GroupWire::ring_allreduce(torch::Tensor& tensor) {
-  const int world = world_size(), rank = group_->getRank();
+  const int world = world_size(), rank = channel_.rank();
   const int next = (rank + 1) % world, prev = (rank + world - 1) % world;
   const int64_t n = tensor.numel(), chunk = (n + world - 1) / world;
   auto padded = torch::zeros({chunk * world}, tensor.options());
   padded.slice(0, 0, n).copy_(tensor.reshape(-1));
   auto chunks = padded.view({world, chunk});
   auto incoming = torch::empty({chunk}, tensor.options());
-  auto exchange = [&](const torch::Tensor& out, const torch::Tensor& in) {
-    std::vector<at::Tensor> send{out}, recv{in};
-    const int tag = tag_;
-    tag_ = (tag_ + 1) % (1 << 30);
-    auto sent = group_->send(send, next, tag);
-    group_->recv(recv, prev, tag)->wait();
-    sent->wait();
-  };
   for (int s = 0; s < world - 1; ++s) {  // chunk (rank - s - 1) collects every rank's part
     const int64_t out = (rank - s + world) % world, in = (rank - s - 1 + world) % world;
-    exchange(chunks[out], incoming);
+    channel_.exchange(chunks[out], next, incoming, prev);
     chunks[in].copy_(chunks[in].to(torch::kFloat32).add_(incoming.to(torch::kFloat32)));
   }
   for (int s = 0; s < world - 1; ++s) {  // pass the finished chunks round
     const int64_t out = (rank + 1 - s + world) % world, in = (rank - s + world) % world;
-    exchange(chunks[out], chunks[in]);
+    torch::Tensor finished = chunks[in];
+    channel_.exchange(chunks[out], next, finished, prev);
   }
   tensor.copy_(padded.slice(0, 0, n).view_as(tensor));
 }
@@ -162,11 +154,28 @@ void PowerSgdState::load(const HookState& s) {
   }
 }
 
-void orthogonalize(torch::Tensor& matrix, double epsilon) {
+torch::Tensor exact_row_sum(const torch::Tensor& a) {
+  torch::Tensor rows = a;
+  if (rows.size(0) == 0) return torch::zeros({a.size(1)}, a.options());
+  while (rows.size(0) > 1) {
+    const int64_t n = rows.size(0), half = n / 2;
+    torch::Tensor sums = rows.slice(0, 0, half) + rows.slice(0, half, 2 * half);
+    rows = n % 2 ? torch::cat({sums, rows.slice(0, n - 1, n)}) : sums;
+  }
+  return rows[0];
+}
+
+void exact_outer_product(torch::Tensor out, const torch::Tensor& p, const torch::Tensor& q) {
+  torch::mul_out(out, p.narrow(1, 0, 1), q.narrow(1, 0, 1).t());
+  for (int64_t k = 1; k < p.size(1); ++k) out.add_(p.narrow(1, k, 1) * q.narrow(1, k, 1).t());
+}
+
+void orthogonalize(torch::Tensor& matrix, double epsilon, Sums sums) {
+  auto row_sum = [sums](const torch::Tensor& a) { return sums == Sums::kExact ? exact_row_sum(a) : a.sum(0); };
   const int64_t cols = matrix.size(1);
   for (int64_t i = 0; i < cols; ++i) {
     auto col = matrix.narrow(1, i, 1);
-    auto norm = col.norm();
+    auto norm = row_sum(col * col).sqrt_();
     if (epsilon == 0) {
       norm.clamp_min_(std::numeric_limits<float>::min());  // a zero column stays zero, never NaN
     } else {
@@ -175,7 +184,7 @@ void orthogonalize(torch::Tensor& matrix, double epsilon) {
     col.div_(norm);
     if (i + 1 < cols) {
       auto rest = matrix.narrow(1, i + 1, cols - i - 1);
-      rest.sub_((col * rest).sum(0, /*keepdim=*/true) * col);
+      rest.sub_(col * row_sum(col * rest));
     }
   }
 }
@@ -262,7 +271,7 @@ void PowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
       q_at += m * r;
     }
     if (fresh) fill_gaussian(q_memory, st.next_seed());
-    for (auto& q : qs) orthogonalize(q, opt.orthogonalization_epsilon);
+    for (auto& q : qs) orthogonalize(q, opt.orthogonalization_epsilon, Sums::kFast);
 
     for (size_t i = 0; i < matrices.size(); ++i) torch::mm_out(ps[i], matrices[i], qs[i]);
     // P is orthonormalised next, so its scale is irrelevant: averaging
@@ -271,7 +280,7 @@ void PowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
     for (auto& p : ps) orthogonalize(p, opt.orthogonalization_epsilon);
     for (size_t i = 0; i < matrices.size(); ++i) torch::mm_out(qs[i], matrices[i].t(), ps[i]);
     wire.allreduce_mean(q_memory)->waitAndThrow();
-    for (size_t i = 0; i < matrices.size(); ++i) torch::mm_out(results[i], ps[i], qs[i].t());
+    for (size_t i = 0; i < matrices.size(); ++i) exact_outer_product(results[i], ps[i], qs[i]);
     if (!opt.warm_start) {
       st.p_memory.erase(b);
       st.q_memory.erase(b);
@@ -321,13 +330,15 @@ void BatchedPowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
   torch::Tensor& p = on_device(st.p_memory, b, input.device());
   torch::Tensor& q = on_device(st.q_memory, b, input.device());
   TORCH_CHECK(p.size(0) == side && p.size(1) == r, "PowerSGD: the saved P of bucket ", b, " does not fit it");
-  orthogonalize(q, opt.orthogonalization_epsilon);
+  orthogonalize(q, opt.orthogonalization_epsilon, Sums::kFast);
   torch::mm_out(p, matrix, q);
   wire.allreduce_mean(p)->waitAndThrow();
   orthogonalize(p, opt.orthogonalization_epsilon);
   torch::mm_out(q, matrix.t(), p);
   wire.allreduce_mean(q)->waitAndThrow();
-  const torch::Tensor result = torch::mm(p, q.t()).view(-1);
+  torch::Tensor result = torch::empty({side, side}, input.options());
+  exact_outer_product(result, p, q);
+  result = result.view(-1);
   if (!opt.warm_start) {
     st.p_memory.erase(b);
     st.q_memory.erase(b);

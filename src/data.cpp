@@ -1,17 +1,15 @@
 #include "mnist_ddp/data.hpp"
+#include "mnist_ddp/files.hpp"
 
 #include <zlib.h>
 
 #include <array>
 #include <cstdio>
-#include <filesystem>
 #include <memory>
 #include <vector>
 
 namespace mnist_ddp {
 namespace {
-
-namespace fs = std::filesystem;
 
 constexpr int kSide = 28;
 constexpr double kMean = 0.1307;
@@ -81,8 +79,8 @@ const char* display_name(const std::string& dataset) { return dataset == "mnist"
 
 std::string find_file(const std::string& dir, const std::string& stem, const std::string& dataset) {
   for (const std::string& name : {stem, stem + ".gz"}) {
-    const fs::path p = fs::path(dir) / name;
-    if (fs::exists(p)) return p.string();
+    const std::string p = files::join(dir, name);
+    if (files::exists(p)) return p;
   }
   throw DataError(std::string(display_name(dataset)) + " data not found: no " + stem + "[.gz] in " + dir +
                   "; run: bash scripts/fetch_data.sh " + dataset + " (or pass --data-dir)");
@@ -116,7 +114,7 @@ torch::Tensor read_idx(const std::string& path, int dims) {
 }
 
 std::string raw_dir(const std::string& data_dir, const std::string& dataset) {
-  return (fs::path(data_dir) / display_name(dataset) / "raw").string();
+  return files::join(files::join(data_dir, display_name(dataset)), "raw");
 }
 
 void check_dataset_files(const std::string& data_dir, const std::string& dataset) {

@@ -3,6 +3,9 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+#include <zlib.h>
+
+#include <fmt/format.h>
 
 #include <chrono>
 #include <map>
@@ -33,7 +36,7 @@ torch::Tensor alias(const torch::Tensor& buffer, int64_t offset, at::IntArrayRef
 }
 
 // Every rank starts from rank 0's parameters and buffers: one broadcast per dtype.
-void broadcast_state(Group& group, const std::vector<torch::Tensor>& tensors) {
+void broadcast_state(Collectives& comm, const std::vector<torch::Tensor>& tensors) {
   torch::NoGradGuard no_grad;
   std::map<c10::ScalarType, std::vector<torch::Tensor>> by_type;
   for (const auto& t : tensors) by_type[t.scalar_type()].push_back(t);
@@ -41,7 +44,7 @@ void broadcast_state(Group& group, const std::vector<torch::Tensor>& tensors) {
     std::vector<torch::Tensor> flat_parts;
     for (const auto& t : list) flat_parts.push_back(t.reshape(-1));
     auto flat = torch::cat(flat_parts);
-    broadcast(group, flat, 0);
+    comm.broadcast(flat, 0);
     int64_t offset = 0;
     for (auto& t : list) {
       t.copy_(flat.slice(0, offset, offset + t.numel()).view_as(t));
@@ -79,15 +82,13 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<int
 
 DistributedDataParallelImpl::DistributedDataParallelImpl(torch::nn::AnyModule module, const Dist& dist,
                                                          std::unique_ptr<CommHook> hook, double bucket_cap_mb)
-    : module_(std::move(module)), hook_(std::move(hook)), device_(dist.device) {
+    : module_(std::move(module)), hook_(std::move(hook)), comm_(dist.comm), device_(dist.device) {
   register_module("module", module_.ptr());
-  GroupPtr group = dist.new_group("ddp");
-  wire_ = std::make_unique<GroupWire>(group);
 
   std::vector<torch::Tensor> state;
   for (const auto& p : module_.ptr()->parameters()) state.push_back(p);
   for (const auto& b : module_.ptr()->buffers()) state.push_back(b);
-  broadcast_state(*group, state);
+  broadcast_state(*comm_, state);
 
   for (const auto& item : module_.ptr()->named_parameters()) {
     if (!item.value().requires_grad()) continue;
@@ -137,16 +138,16 @@ DistributedDataParallelImpl::DistributedDataParallelImpl(torch::nn::AnyModule mo
     accumulator->add_post_hook(std::make_unique<ReadyHook>([this, p] { mark_ready(p); }));
     accumulators_.push_back(std::move(accumulator));
   }
-  comm_thread_ = std::thread([this] { communicate(); });
 }
 
 DistributedDataParallelImpl::~DistributedDataParallelImpl() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+  // The stream's tasks point at this object.
+  for (const auto ticket : posted_) {
+    try {
+      comm_->wait(ticket);
+    } catch (...) {
+    }
   }
-  cv_.notify_all();
-  if (comm_thread_.joinable()) comm_thread_.join();
 }
 
 std::vector<std::string> DistributedDataParallelImpl::describe_buckets() const {
@@ -180,7 +181,7 @@ void DistributedDataParallelImpl::link_grad(size_t p) {
 torch::Tensor DistributedDataParallelImpl::forward(torch::Tensor input) {
   if (is_training() && torch::GradMode::is_enabled()) {
     std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(completed_ == next_launch_, "DDP: forward called while the previous backward is still communicating");
+    TORCH_CHECK(posted_.empty(), "DDP: forward called while the previous backward is still communicating");
     expecting_backward_ = true;
     callback_queued_ = false;
     pending_.assign(buckets_.size(), 0);
@@ -189,8 +190,6 @@ torch::Tensor DistributedDataParallelImpl::forward(torch::Tensor input) {
       ++pending_[bucket_of_[p]];
       link_grad(p);
     }
-    next_launch_ = 0;
-    completed_ = 0;
   }
   return module_.forward(std::move(input));
 }
@@ -208,58 +207,100 @@ void DistributedDataParallelImpl::mark_ready(size_t p) {
   ready_[p] = true;
   const size_t b = bucket_of_[p];
   if (--pending_[b] > 0) return;
-  while (next_launch_ < buckets_.size() && pending_[next_launch_] == 0) queue_.push_back(next_launch_++);
-  cv_.notify_all();
+  for (size_t next = posted_.size(); next < buckets_.size() && pending_[next] == 0; ++next)
+    posted_.push_back(comm_->post([this, next](Channel& channel) { communicate(next, channel); }));
 }
 
 void DistributedDataParallelImpl::finalize_backward() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  expecting_backward_ = false;
+  std::vector<Collectives::Ticket> posted;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    expecting_backward_ = false;
+    posted.swap(posted_);
+  }
   const auto start = std::chrono::steady_clock::now();
-  cv_.wait(lock, [this] { return completed_ == next_launch_; });
+  std::exception_ptr error;
+  for (const auto ticket : posted) {
+    try {
+      comm_->wait(ticket);
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
   wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (next_launch_ < buckets_.size()) {
+  if (error) std::rethrow_exception(error);
+  if (posted.size() < buckets_.size()) {
     std::string missing;
     for (size_t p = 0; p < params_.size(); ++p)
       if (!ready_[p]) missing += " " + param_names_[p];
     TORCH_CHECK(false, "DDP: backward ended before these parameters received a gradient:", missing,
                 "; every parameter must take part in the loss");
   }
-  if (error_) std::rethrow_exception(error_);
 }
 
-void DistributedDataParallelImpl::communicate() {
-  use_device(device_);
-  for (;;) {
-    size_t b = 0;
-    bool skip = false;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      b = queue_.front();
-      queue_.pop_front();
-      skip = error_ != nullptr;  // after a failure, issue no further collectives
-    }
-    std::exception_ptr error;
-    if (!skip) {
-      try {
-        GradBucket& bucket = buckets_[b];
-        FuturePtr result = hook_->run(bucket, *wire_);
-        result->waitAndThrow();
-        const torch::Tensor averaged = future_tensor(result);
-        if (!averaged.is_same(bucket.buffer)) bucket.buffer.copy_(averaged);
-      } catch (...) {
-        error = std::current_exception();
-      }
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (error && !error_) error_ = error;
-      ++completed_;
-    }
-    cv_.notify_all();
+void DistributedDataParallelImpl::communicate(size_t b, Channel& channel) {
+  GradBucket& bucket = buckets_[b];
+  GroupWire wire(channel, wire_stats_);
+  FuturePtr result = hook_->run(bucket, wire);
+  result->waitAndThrow();
+  const torch::Tensor averaged = future_tensor(result);
+  if (!averaged.is_same(bucket.buffer)) bucket.buffer.copy_(averaged);
+}
+
+// Note on the replica check. Each rank hashes the bytes of its parameters
+// and buffers; one broadcast of rank 0's hash and one allreduce of "mine
+// differs" settle it. Only when some rank differs does rank 0 send its whole
+// state, so each rank can measure how far it is off.
+void DistributedDataParallelImpl::check_replicas(const std::string& when) {
+  torch::NoGradGuard no_grad;
+  std::vector<std::string> names;
+  std::vector<torch::Tensor> tensors;
+  for (const auto& item : named_parameters()) {
+    names.push_back(item.key());
+    tensors.push_back(item.value().detach().cpu().contiguous());
   }
+  for (const auto& item : named_buffers()) {
+    names.push_back(item.key());
+    tensors.push_back(item.value().detach().cpu().contiguous());
+  }
+  uLong crc = crc32(0L, Z_NULL, 0);
+  for (const auto& t : tensors)
+    crc = crc32(crc, static_cast<const Bytef*>(t.data_ptr()), static_cast<uInt>(t.numel() * t.element_size()));
+  auto rank0_crc = torch::tensor({static_cast<int64_t>(crc)}, torch::kInt64).to(device_);
+  comm_->broadcast(rank0_crc, 0);
+  auto differing = torch::tensor({rank0_crc.cpu().item<int64_t>() == static_cast<int64_t>(crc) ? 0.0 : 1.0},
+                                 torch::kFloat64).to(device_);
+  comm_->allreduce_sum(differing);
+  if (differing.cpu().item<double>() == 0) return;
+
+  // Rank 0's state on every rank; each rank's largest difference on rank 0.
+  std::vector<torch::Tensor> flat_parts;
+  for (const auto& t : tensors) flat_parts.push_back(t.reshape(-1).to(torch::kFloat64));
+  const auto mine = torch::cat(flat_parts);
+  auto rank0 = mine.to(device_, /*non_blocking=*/false, /*copy=*/true);  // overwritten by rank 0's
+  comm_->broadcast(rank0, 0);
+  const auto theirs = rank0.cpu();
+  double largest = 0, where = -1;  // the largest difference, and in which tensor
+  for (size_t i = 0, at = 0; i < tensors.size(); at += tensors[i].numel(), ++i) {
+    const auto a = mine.slice(0, at, at + tensors[i].numel()), b = theirs.slice(0, at, at + tensors[i].numel());
+    if (torch::equal(a, b)) continue;
+    const double d = (a - b).abs().max().item<double>();
+    if (where < 0 || d > largest) {
+      largest = d;
+      where = static_cast<double>(i);
+    }
+  }
+  const auto reports = comm_->gather_to_rank0(torch::tensor({largest, where}, torch::kFloat64));
+  if (comm_->rank() != 0) throw PeerLost("rank 0 found the replicas diverged " + when);
+  std::string message = "the replicas diverged " + when + ":";
+  for (size_t r = 1; r < reports.size(); ++r) {
+    const int index = static_cast<int>(reports[r][1].item<double>());
+    if (index < 0) continue;
+    message += fmt::format(" rank {} differs from rank 0 by up to {:.3g} (largest in {});", r,
+                           reports[r][0].item<double>(), names[static_cast<size_t>(index)]);
+  }
+  message.back() = ' ';
+  throw std::runtime_error(message + "- replicas must stay bit-identical: a bug in mnist_ddp, please report it");
 }
 
 }  // namespace mnist_ddp

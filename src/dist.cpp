@@ -11,7 +11,11 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/version.h>
 #ifdef MNIST_DDP_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_runtime_api.h>
+#include <torch/csrc/distributed/c10d/NCCLUtils.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -236,18 +240,32 @@ std::vector<int> Dist::silent_ranks() const {
   return silent;
 }
 
-GroupPtr Dist::new_group(const std::string& name) const {
-  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name + "/" + std::to_string(groups_created_++), store);
+namespace {
+
+// The rank's group, with the store prefix `name`, behind an ordered stream.
+std::shared_ptr<Collectives> make_collectives(const StorePtr& store, const std::string& name, const std::string& backend,
+                                              int rank, int world_size, const torch::Device& device,
+                                              const std::string& gloo_address, std::chrono::milliseconds timeout) {
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
+  GroupPtr group;
   try {
-    return create_group(prefixed, backend, rank, world_size, gloo_address, timeout);
+    group = create_group(prefixed, backend, rank, world_size, gloo_address, timeout);
   } catch (const std::exception& e) {
+    try {
+      store->check({"settings/0"});
+    } catch (const std::exception&) {  // rank 0 stopped, and whoever stopped it says why
+      throw PeerLost("lost the rendezvous store (its host, rank 0, stopped): " + error_text(e));
+    }
     throw std::runtime_error("could not form the process group with all " + std::to_string(world_size) +
                              " ranks within " + std::to_string(timeout.count() / 1000) + " s (" + error_text(e) + ")");
   }
+  return std::make_shared<Collectives>(group, device, backend == "nccl");
 }
 
+}  // namespace
+
 Dist make_dist(StorePtr store, int rank, int world_size, const std::string& backend, torch::Device device,
-               std::chrono::milliseconds timeout) {
+               std::chrono::milliseconds timeout, const std::string& prefix) {
   Dist d;
   d.rank = rank;
   d.world_size = world_size;
@@ -255,7 +273,7 @@ Dist make_dist(StorePtr store, int rank, int world_size, const std::string& back
   d.device = device;
   d.timeout = timeout;
   d.store = std::move(store);
-  d.group = d.new_group("main");
+  d.comm = make_collectives(d.store, prefix, backend, rank, world_size, device, d.gloo_address, timeout);
   return d;
 }
 
@@ -263,8 +281,12 @@ Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_se
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
   const auto seconds = std::to_string(static_cast<int64_t>(timeout_seconds)) + " s";
   torch::Device device = torch::kCPU;
-  if (placement.backend == "nccl") {
-    const int index = placement.devices.at(env.local_rank);
+  if (!placement.devices.empty()) {
+    if (env.local_rank >= static_cast<int>(placement.devices.size()))
+      throw UsageError("local rank " + std::to_string(env.local_rank) + " has no GPU: this node's --gpus (or visible " +
+                       "GPUs) give " + std::to_string(placement.devices.size()) + "; name one per local worker, " +
+                       "repeat ids with --backend gloo, or train on the CPU with --backend gloo");
+    const int index = placement.devices[env.local_rank];
     if (index >= static_cast<int>(torch::cuda::device_count()))
       throw std::runtime_error("CUDA device " + std::to_string(index) + " does not exist (" +
                                std::to_string(torch::cuda::device_count()) + " visible)");
@@ -288,7 +310,8 @@ Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_se
     g_store_address = INADDR_NONE;
     const std::string why = error_text(e);
     if (host) {
-      if (why.find("Address already in use") != std::string::npos || why.find("errno: 98") != std::string::npos)
+      if (why.find("Address already in use") != std::string::npos || why.find("errno: 98") != std::string::npos ||
+          why.find("EADDRINUSE") != std::string::npos)
         throw std::runtime_error("--master-port " + std::to_string(env.master_port) +
                                  " is already in use on this machine; choose another port or 0 for a free one");
       throw std::runtime_error("cannot host the rendezvous store at " + env.master_addr + ":" +
@@ -353,62 +376,30 @@ Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_se
   Dist d;
   d.rank = rank;
   d.world_size = world_size;
-  d.local_rank = env.local_rank;
-  d.node_rank = env.node_rank;
   d.backend = placement.backend;
   d.device = device;
   d.timeout = timeout;
   d.gloo_address = local_address_towards(env.master_addr);
   d.store = store;
   d.heartbeat_ = std::make_shared<Heartbeat>(store, rank);
-  d.group = d.new_group("main");
+  d.comm = make_collectives(d.store, "main", d.backend, rank, world_size, device, d.gloo_address, timeout);
   return d;
+}
+
+std::string describe_runtime(const torch::Device& device) {
+  std::string out = std::string("LibTorch ") + TORCH_VERSION;
+#ifdef MNIST_DDP_WITH_CUDA
+  out += ", CUDA " + std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10) +
+         ", NCCL " + c10d::getNcclVersion();
+  if (device.is_cuda()) out += ", device " + device.str() + " (" + at::cuda::getDeviceProperties(device.index())->name + ")";
+#else
+  out += " (CPU only: no CUDA, no NCCL)";
+#endif
+  return out;
 }
 
 void use_device(const torch::Device& device) {
   if (device.is_cuda()) c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(device);
-}
-
-void allreduce_sum(Group& group, at::Tensor& tensor) {
-  std::vector<at::Tensor> tensors{tensor};
-  group.allreduce(tensors)->wait();
-}
-
-void broadcast(Group& group, at::Tensor& tensor, int root) {
-  std::vector<at::Tensor> tensors{tensor};
-  c10d::BroadcastOptions opts;
-  opts.rootRank = root;
-  group.broadcast(tensors, opts)->wait();
-}
-
-std::vector<at::Tensor> gather_to_rank0(Group& group, const at::Tensor& tensor, const torch::Device& device) {
-  std::vector<at::Tensor> input{tensor.to(device).contiguous()};
-  std::vector<std::vector<at::Tensor>> output;
-  if (group.getRank() == 0) {
-    output.emplace_back();
-    for (int r = 0; r < group.getSize(); ++r) output[0].push_back(torch::empty_like(input[0]));
-  }
-  c10d::GatherOptions opts;
-  opts.rootRank = 0;
-  group.gather(output, input, opts)->wait();
-  std::vector<at::Tensor> out;
-  if (!output.empty())
-    for (auto& t : output[0]) out.push_back(t.cpu());
-  return out;
-}
-
-void broadcast_bytes(Group& group, std::vector<char>& bytes, const torch::Device& device) {
-  auto size = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64).to(device);
-  broadcast(group, size, 0);
-  const int64_t n = size.cpu().item<int64_t>();
-  auto data = group.getRank() == 0
-                  ? torch::from_blob(bytes.data(), {n}, torch::kUInt8).to(device, /*non_blocking=*/false, /*copy=*/true)
-                  : torch::empty({n}, torch::TensorOptions(torch::kUInt8).device(device));
-  broadcast(group, data, 0);
-  if (group.getRank() != 0) {
-    const auto cpu = data.cpu();
-    bytes.assign(static_cast<const char*>(cpu.data_ptr()), static_cast<const char*>(cpu.data_ptr()) + n);
-  }
 }
 
 }  // namespace mnist_ddp

@@ -1,4 +1,5 @@
 #include "mnist_ddp/launcher.hpp"
+#include "mnist_ddp/files.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -13,7 +14,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -39,9 +39,7 @@ constexpr auto kCauseWait = std::chrono::seconds(3);    // for the cause behind 
 // against CUDA's own count before using it.
 int visible_gpu_count() {
   int present = 0;
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator("/dev", ec)) {
-    const std::string name = entry.path().filename().string();
+  for (const std::string& name : files::list_directory("/dev")) {
     if (name.size() > 6 && name.compare(0, 6, "nvidia") == 0 &&
         std::all_of(name.begin() + 6, name.end(), ::isdigit))
       ++present;
@@ -367,34 +365,40 @@ class Launcher {
 }  // namespace
 
 Placement plan_placement(const Options& opts) {
+  return plan_placement(opts, built_with_cuda(), built_with_cuda() ? visible_gpu_count() : 0);
+}
+
+Placement plan_placement(const Options& opts, bool cuda_build, int visible) {
   Placement p;
-  const int visible = built_with_cuda() ? visible_gpu_count() : 0;
-  p.backend = opts.backend == "auto" ? (visible > 0 ? "nccl" : "gloo") : opts.backend;
-  if (p.backend == "nccl") {
-    if (!built_with_cuda())
-      throw UsageError("--backend nccl: this mnist_ddp was built against a CPU-only LibTorch; use --backend gloo");
-    if (visible == 0) throw UsageError("--backend nccl: no CUDA device is visible; use --backend gloo");
-    if (opts.gpus.empty()) {
-      for (int d = 0; d < visible; ++d) p.devices.push_back(d);
-    } else {
-      p.devices = opts.gpus;
-    }
-    std::set<int> seen;
-    for (int d : p.devices) {
-      if (d >= visible)
-        throw UsageError("--gpus: device " + std::to_string(d) + " does not exist (" + std::to_string(visible) +
-                         " visible, ids 0.." + std::to_string(visible - 1) + ")");
-      if (!seen.insert(d).second) throw UsageError("--gpus: device " + std::to_string(d) + " is listed twice");
-    }
-    p.local_workers = static_cast<int>(p.devices.size());
-  } else {
-    if (!opts.gpus.empty()) {
-      throw UsageError(visible == 0 ? "--gpus: device " + std::to_string(opts.gpus.front()) +
-                                          " does not exist (no CUDA device is visible to this build)"
-                                    : std::string("--gpus: names CUDA devices, but --backend gloo trains on CPU"));
-    }
+  std::set<int> distinct(opts.gpus.begin(), opts.gpus.end());
+  const bool shared = distinct.size() < opts.gpus.size();
+  p.backend = opts.backend == "auto" ? (visible > 0 && !shared ? "nccl" : "gloo") : opts.backend;
+  if (p.backend == "nccl" && !cuda_build)
+    throw UsageError("--backend nccl: this mnist_ddp was built against a CPU-only LibTorch; use --backend gloo");
+  if (p.backend == "nccl" && visible == 0)
+    throw UsageError("--backend nccl: no CUDA device is visible; use --backend gloo");
+  if (p.backend == "gloo" && opts.gpus.empty()) {
     p.local_workers = opts.nproc;
+    return p;
   }
+  if (opts.gpus.empty()) {
+    for (int d = 0; d < visible; ++d) p.devices.push_back(d);
+  } else {
+    p.devices = opts.gpus;
+  }
+  std::set<int> seen;
+  for (int d : p.devices) {
+    if (d >= visible)
+      throw UsageError("--gpus: device " + std::to_string(d) + " does not exist (" +
+                       (visible == 0 ? std::string("no CUDA device is visible to this build")
+                                     : std::to_string(visible) + " visible, ids 0.." + std::to_string(visible - 1)) +
+                       ")");
+    if (!seen.insert(d).second && p.backend == "nccl")
+      throw UsageError("--gpus: device " + std::to_string(d) +
+                       " is listed twice, but --backend nccl needs a GPU of its own per worker; use --backend gloo "
+                       "to let workers share a GPU");
+  }
+  p.local_workers = static_cast<int>(p.devices.size());
   return p;
 }
 

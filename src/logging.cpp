@@ -1,4 +1,5 @@
 #include "mnist_ddp/logging.hpp"
+#include "mnist_ddp/files.hpp"
 
 #include <sys/ioctl.h>
 #include <unistd.h>
@@ -10,7 +11,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -78,7 +78,7 @@ void init_logging(const std::string& dir, int rank) {
     sinks.push_back(std::make_shared<spdlog::sinks::stderr_sink_mt>());
   }
   if (rank == 0) {
-    const std::string file = (std::filesystem::path(dir) / "mnist_train.log").string();
+    const std::string file = files::join(dir, "mnist_train.log");
     try {
       g_file_sink = std::make_shared<spdlog::sinks::basic_file_sink_mt>(file);
       sinks.push_back(g_file_sink);

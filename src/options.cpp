@@ -88,18 +88,23 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
   app.add_option("--weight-decay,--wd", o.weight_decay, "SGD weight decay (L2 penalty)")
       ->check(at_least(0, "a number >= 0"));
   app.add_option("--workers", o.workers,
-                 "Accepted for compatibility with the reference; batches are sliced from memory")
+                 "Ignored, so the reference's command lines run: batches are sliced from data held in memory, "
+                 "with no loader processes")
       ->check(at_least(0, "an integer >= 0"));
   app.add_option("--compression", o.compression, "Gradient communication hook")->check(one_of(kCompressions));
   app.add_option("--log-interval,--log_interval", o.log_interval, "Batches between two training log lines")
       ->check(positive("a positive integer"));
   app.add_option("--path", o.path, "Directory for the log file, the best model and checkpoints");
 
-  app.add_option("--gpus", o.gpus, "CUDA device ids, one worker each, e.g. 0,1 (default: all visible)")
+  app.add_option("--gpus", o.gpus,
+                 "CUDA device ids, one worker each, e.g. 0,1 (default: all visible); an id given twice, e.g. 0,0, "
+                 "puts two workers on one GPU over Gloo")
       ->delimiter(',')
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
       ->check(at_least(0, "a device id >= 0"));
-  app.add_option("--backend", o.backend, "Process group backend: nccl on CUDA, gloo on CPU")
+  app.add_option("--backend", o.backend,
+                 "Process group backend: nccl on CUDA, gloo on CPU or for workers sharing a GPU (auto: nccl when a "
+                 "GPU is visible and no --gpus id repeats)")
       ->check(one_of({"auto", "nccl", "gloo"}));
   app.add_option("--nproc", o.nproc, "Worker processes when training on CPU")->check(positive("a positive integer"));
   app.add_option("--nnodes", o.nnodes, "Machines in the job, each running mnist_ddp with its own --node-rank")

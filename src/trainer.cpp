@@ -1,13 +1,13 @@
 #include "mnist_ddp/trainer.hpp"
 
 #include <malloc.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <spdlog/spdlog.h>
 
 #include <chrono>
 #include <cmath>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -18,6 +18,7 @@
 #include "mnist_ddp/data.hpp"
 #include "mnist_ddp/ddp.hpp"
 #include "mnist_ddp/dist.hpp"
+#include "mnist_ddp/files.hpp"
 #include "mnist_ddp/logging.hpp"
 #include "mnist_ddp/model.hpp"
 #include "mnist_ddp/sync_batch_norm.hpp"
@@ -30,7 +31,6 @@
 namespace mnist_ddp {
 namespace {
 
-namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) {
@@ -38,11 +38,13 @@ double seconds_since(Clock::time_point start) {
 }
 
 void prepare_output_dir(const std::string& path, bool announce) {
-  std::error_code ec;
-  const bool existed = fs::is_directory(path, ec);
+  const bool existed = files::is_directory(path);
   if (!existed) {
-    fs::create_directories(path, ec);
-    if (ec) throw std::runtime_error("--path " + path + ": cannot create the directory: " + ec.message());
+    try {
+      files::make_directories(path);
+    } catch (const std::exception& e) {
+      throw std::runtime_error("--path " + path + ": " + e.what());
+    }
   }
   if (access(path.c_str(), W_OK | X_OK) != 0)
     throw std::runtime_error("--path " + path + ": the directory is not writable");
@@ -56,7 +58,20 @@ std::pair<torch::Tensor, torch::Tensor> correct_counts(const torch::Tensor& outp
   return {hit.select(1, 0).sum(), hit.sum()};
 }
 
-std::string checkpoint_dir(const Options& opts) { return (fs::path(opts.path) / "checkpoint").string(); }
+std::string checkpoint_dir(const Options& opts) { return files::join(opts.path, "checkpoint"); }
+
+// Fault injection for tests: with MNIST_DDP_KILL_AT_WRITE=N in its
+// environment, rank 0 kills itself with SIGKILL right after the N-th file
+// operation of checkpointing in this run (see save_checkpoint's
+// after_each_write), so a crash test lands on a named point, not a delay.
+std::function<void(const std::string&)> kill_point() {
+  const char* at = std::getenv("MNIST_DDP_KILL_AT_WRITE");
+  if (!at) return nullptr;
+  return [n = std::atoi(at)](const std::string&) {
+    static int done = 0;
+    if (++done == n) raise(SIGKILL);
+  };
+}
 
 // The checkpoint --resume names, or "" for a fresh start.
 std::string resume_dir(const Options& opts) {
@@ -175,7 +190,6 @@ class Trainer {
   void evaluate(int64_t epoch);
   double current_lr() const { return optimizer_->param_groups()[0].options().get_lr(); }
   void log_summary() const;
-  void check_replicas();
   void restore(const TensorDict& training);
   void save_checkpoint(int64_t epoch, int64_t batch);
   TensorDict own_state() const;  // what only this rank has: RNG, hook error
@@ -208,7 +222,8 @@ Trainer::Trainer(const Options& opts, Dist& dist)
       test_indices_(shard_indices(test_.size(), dist.world_size, dist.rank)) {
   spdlog::info("Arguments:");
   for (const auto& [name, value] : opts.arguments) spdlog::info("{}: {}", name, value);
-  spdlog::info("Process group: {} over {} rank(s), device {}, {} intra-op thread(s) per rank", dist.backend,
+  spdlog::info("Runtime: {}", describe_runtime(dist.device));
+  spdlog::info("Process group: {} over {} rank(s), device {}, {} intra-op thread(s) on rank 0", dist.backend,
                dist.world_size, dist.device.str(), at::get_num_threads());
   spdlog::info("Data: {} training and {} test images from {}", train_.size(), test_.size(),
                raw_dir(opts.data_dir, opts.dataset));
@@ -243,13 +258,13 @@ Trainer::Trainer(const Options& opts, Dist& dist)
         spdlog::warn("The checkpoint was written with --compression {}: its hook state is not used by {}",
                      c.compression, opts.compression);
     }
-    broadcast_bytes(*dist.group, bytes, dist.device);
+    dist.comm->broadcast_bytes(bytes);
     resumed = deserialize(bytes, "the checkpoint rank 0 sent");
   } else if (opts.resume == "auto") {
     spdlog::info("No checkpoint in {}: starting afresh", checkpoint_dir(opts));
   }
 
-  convert_sync_batchnorm(*net_, dist.group);
+  convert_sync_batchnorm(*net_, dist.comm);
   net_->to(dist.device);
   ddp_ = DistributedDataParallel(torch::nn::AnyModule(net_), dist, make_comm_hook(opts.compression, opts.powersgd), opts.bucket_cap_mb);
   for (const auto& line : ddp_->describe_buckets()) spdlog::info("DDP {}", line);
@@ -270,7 +285,7 @@ Trainer::Trainer(const Options& opts, Dist& dist)
       ddp_->parameters(), torch::optim::SGDOptions(opts.lr).momentum(opts.momentum).weight_decay(opts.weight_decay));
   if (!resumed.empty()) restore(resumed);
   if (dist.rank == 0)
-    metrics_.emplace((fs::path(opts.path) / "metrics.csv").string(), resumed.empty() ? -1 : step_);
+    metrics_.emplace(files::join(opts.path, "metrics.csv"), resumed.empty() ? -1 : step_);
 }
 
 void Trainer::restore(const TensorDict& t) {
@@ -333,7 +348,7 @@ void Trainer::save_checkpoint(int64_t epoch, int64_t batch) {
   const TensorDict own = own_state();
   std::vector<std::pair<std::string, std::vector<torch::Tensor>>> gathered;
   for (const auto& item : own)
-    gathered.emplace_back(item.key(), gather_to_rank0(*dist_.group, item.value(), dist_.device));
+    gathered.emplace_back(item.key(), dist_.comm->gather_to_rank0(item.value()));
   if (dist_.rank != 0) return;
 
   Checkpoint c;
@@ -357,7 +372,7 @@ void Trainer::save_checkpoint(int64_t epoch, int64_t batch) {
   for (const auto& [key, per_rank] : gathered)
     for (size_t r = 0; r < per_rank.size(); ++r) c.training.insert("rank/" + std::to_string(r) + "/" + key, per_rank[r]);
   const std::string dir = checkpoint_dir(opts_);
-  mnist_ddp::save_checkpoint(dir, c);
+  mnist_ddp::save_checkpoint(dir, c, kill_point());
   spdlog::info("Checkpoint saved to {} (epoch {}, batch {}, step {})", dir, epoch, batch, step_);
 }
 
@@ -370,14 +385,16 @@ void Trainer::run() {
     static_cast<torch::optim::SGDOptions&>(optimizer_->param_groups()[0].options()).lr(lr);
     const int64_t done = train_epoch(epoch, epoch == start_epoch_ ? start_batch_ : 0);
     evaluate(epoch);
+    ddp_->check_replicas("after epoch " + std::to_string(epoch));
     const bool complete = done == batches;
     if (opts_.checkpoint_every > 0 &&
         (!complete || (epoch + 1) % opts_.checkpoint_every == 0 || epoch + 1 == opts_.epochs))
       save_checkpoint(complete ? epoch + 1 : epoch, complete ? 0 : done);
   }
   log_summary();
-  check_replicas();
-  dist_.group->barrier()->wait();  // nobody leaves while a peer still needs the store
+  // Checked after each epoch above; no epoch run: as DDP broadcast them.
+  spdlog::info("Replicas: all {} ranks hold identical parameters", dist_.world_size);
+  dist_.comm->barrier();  // nobody leaves while a peer still needs the store
 }
 
 int64_t Trainer::train_epoch(int64_t epoch, int64_t first) {
@@ -388,7 +405,7 @@ int64_t Trainer::train_epoch(int64_t epoch, int64_t first) {
   const auto start = Clock::now();
   row_time_ = start;
   row_images_ = row_steps_ = row_bytes_ = 0;
-  const int64_t bytes_at_start = ddp_->wire().bytes_sent(), elements_at_start = ddp_->wire().elements_sent();
+  const int64_t bytes_at_start = ddp_->wire().bytes, elements_at_start = ddp_->wire().elements;
   int64_t steps = 0, images = 0, b = first;
   double smoothed_loss = 0;  // rank 0's own, for the progress line
   auto drawn = Clock::now() - std::chrono::seconds(1);
@@ -403,7 +420,7 @@ int64_t Trainer::train_epoch(int64_t epoch, int64_t first) {
     const bool compressed = ddp_->hook().compression_started();
     if (compressed && stats_.compressed_steps == 0 && opts_.compression.find("powersgd") != std::string::npos)
       spdlog::info("Start to apply PowerSGD after {} iterations.", step_);
-    const int64_t bytes_before = ddp_->wire().bytes_sent();
+    const int64_t bytes_before = ddp_->wire().bytes;
     const double waiting_before = ddp_->communication_wait_seconds();
 
     if (stats_.steps + steps == 0)
@@ -432,14 +449,14 @@ int64_t Trainer::train_epoch(int64_t epoch, int64_t first) {
     stats_.waiting += ddp_->communication_wait_seconds() - waiting_before;
     if (compressed) {
       ++stats_.compressed_steps;
-      stats_.wire_bytes += ddp_->wire().bytes_sent() - bytes_before;
+      stats_.wire_bytes += ddp_->wire().bytes - bytes_before;
     }
     ++step_;
     ++steps;
     images += y.size(0) * dist_.world_size;
     row_images_ += y.size(0) * dist_.world_size;
     ++row_steps_;
-    row_bytes_ += ddp_->wire().bytes_sent() - bytes_before;
+    row_bytes_ += ddp_->wire().bytes - bytes_before;
     if (b % opts_.log_interval == 0) log_train(epoch, b, batches, loss, output, y);
     smoothed_loss = steps == 1 ? value : 0.9 * smoothed_loss + 0.1 * value;
     if (progress_shown() && (Clock::now() - drawn > std::chrono::milliseconds(100) || b + 1 == batches)) {
@@ -456,8 +473,8 @@ int64_t Trainer::train_epoch(int64_t epoch, int64_t first) {
   stats_.seconds += seconds;
   const int64_t per_step = std::max<int64_t>(1, steps);
   spdlog::info("Epoch {}: {} steps in {:.1f} s, {:.0f} images/s; per step on the wire: {} elements, {} bytes", epoch,
-               steps, seconds, images / seconds, (ddp_->wire().elements_sent() - elements_at_start) / per_step,
-               (ddp_->wire().bytes_sent() - bytes_at_start) / per_step);
+               steps, seconds, images / seconds, (ddp_->wire().elements - elements_at_start) / per_step,
+               (ddp_->wire().bytes - bytes_at_start) / per_step);
   return b;
 }
 
@@ -468,7 +485,7 @@ void Trainer::log_train(int64_t epoch, int64_t batch, int64_t batches, const tor
   // Every rank's loss and accuracies, averaged over ranks as the reference does.
   auto metrics = torch::stack({loss.detach().to(torch::kFloat64), top1.to(torch::kFloat64) * percent,
                                top5.to(torch::kFloat64) * percent});
-  allreduce_sum(*dist_.group, metrics);
+  dist_.comm->allreduce_sum(metrics);
   metrics = (metrics / dist_.world_size).cpu();
   const auto m = metrics.accessor<double, 1>();
   spdlog::info("Train Epoch: {} [{}/{}\t({:.0f}%)]\tLoss: {:.6f}\tTop 1 Acc: {:.2f}%\tTop 5 Acc: {:.2f}%", epoch,
@@ -501,7 +518,7 @@ void Trainer::evaluate(int64_t epoch) {
   }
   // The shards are disjoint, so the sums count every test image once.
   auto sums = torch::tensor({local[0], local[1], local[2], local[3]}, torch::kFloat64).to(dist_.device);
-  allreduce_sum(*dist_.group, sums);
+  dist_.comm->allreduce_sum(sums);
   sums = sums.cpu();
   const auto s = sums.accessor<double, 1>();
   const double accuracy = 100.0 * s[1] / s[3];
@@ -511,25 +528,9 @@ void Trainer::evaluate(int64_t epoch) {
   if (accuracy > best_accuracy_) {
     best_accuracy_ = accuracy;
     spdlog::info("Save model with best accuracy: {:.4f}%", best_accuracy_);
-    if (dist_.rank == 0) save_state_dict((fs::path(opts_.path) / "mnist_model.pt").string(), state_dict(*ddp_));
+    if (dist_.rank == 0) save_state_dict(files::join(opts_.path, "mnist_model.pt"), state_dict(*ddp_));
   }
   spdlog::info("Current best test accuracy: {:.4f}%", best_accuracy_);
-}
-
-// Every rank must end with the same parameters: rank 0 compares a
-// fingerprint of each rank's.
-void Trainer::check_replicas() {
-  torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> flat;
-  for (const auto& p : ddp_->parameters()) flat.push_back(p.reshape(-1).to(torch::kFloat64));
-  const auto all = torch::cat(flat);
-  const auto fingerprint = torch::stack({all.sum(), all.square().sum(), all.abs().max()});
-  const auto per_rank = gather_to_rank0(*dist_.group, fingerprint, dist_.device);
-  for (size_t r = 1; r < per_rank.size(); ++r)
-    if (!torch::equal(per_rank[r], per_rank[0]))
-      throw std::runtime_error("the replicas diverged: rank " + std::to_string(r) +
-                               " ends with parameters other than rank 0's");
-  spdlog::info("Replicas: all {} ranks hold identical parameters", dist_.world_size);
 }
 
 void Trainer::log_summary() const {
@@ -547,7 +548,7 @@ void Trainer::log_summary() const {
     spdlog::warn("PowerSGD never started: --start-powersgd-iter {} is beyond the {} steps run; the next line is "
                  "the plain allreduce's",
                  opts_.powersgd.start_iter, s.steps);
-    bytes = static_cast<double>(ddp_->wire().bytes_sent()) / static_cast<double>(s.steps);
+    bytes = static_cast<double>(ddp_->wire().bytes) / static_cast<double>(s.steps);
   }
   spdlog::info("Compression: {} {:.0f} bytes/step on the wire, {:.2f}x less than none", ddp_->hook().name(), bytes,
                uncompressed / bytes);

@@ -20,7 +20,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
 #include <iostream>
 #include <string>
 #include <thread>
@@ -28,6 +27,7 @@
 #include "mnist_ddp/comm_hooks.hpp"
 #include "mnist_ddp/ddp.hpp"
 #include "mnist_ddp/dist.hpp"
+#include "mnist_ddp/files.hpp"
 #include "mnist_ddp/model.hpp"
 #include "mnist_ddp/sync_batch_norm.hpp"
 #include "mnist_ddp/trainer.hpp"
@@ -53,7 +53,7 @@ bool run_processes(int world, const std::function<void(Dist&)>& fn) {
         auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
         Dist dist = make_dist(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(120));
         fn(dist);
-        dist.group->barrier()->wait();
+        dist.comm->barrier();
       } catch (const std::exception& e) {
         std::cerr << "rank " << rank << ": " << e.what() << std::endl;
         code = 1;
@@ -69,7 +69,7 @@ bool run_processes(int world, const std::function<void(Dist&)>& fn) {
     waitpid(pid, &status, 0);
     ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
   }
-  std::filesystem::remove_all(dir);
+  files::remove_tree(dir);
   return ok;
 }
 
@@ -84,7 +84,7 @@ class LocalHook : public CommHook {
 double ms_per_step(Dist& dist, bool sync_bn, int steps, bool communicate = true) {
   torch::manual_seed(0);
   Net net;
-  if (sync_bn) convert_sync_batchnorm(*net, dist.group);
+  if (sync_bn) convert_sync_batchnorm(*net, dist.comm);
   std::unique_ptr<CommHook> hook;
   if (communicate) hook = std::make_unique<AllreduceHook>(); else hook = std::make_unique<LocalHook>();
   DistributedDataParallel ddp(torch::nn::AnyModule(net), dist, std::move(hook), 25);
@@ -97,7 +97,7 @@ double ms_per_step(Dist& dist, bool sync_bn, int steps, bool communicate = true)
     opt.step();
   };
   for (int i = 0; i < 5; ++i) step();
-  dist.group->barrier()->wait();
+  dist.comm->barrier();
   const auto start = Clock::now();
   for (int i = 0; i < steps; ++i) step();
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count() / steps;

@@ -3,6 +3,7 @@
 #include <fstream>
 
 #include "mnist_ddp/checkpoint.hpp"
+#include "mnist_ddp/files.hpp"
 #include "mnist_ddp/model.hpp"
 #include "test_util.hpp"
 
@@ -92,22 +93,22 @@ TEST(Checkpoint, ASaveInterruptedAnywhereLeavesThePreviousOneLoadable) {
     save_checkpoint(ckpt, sample(10));  // back to the first one for the next round
   }
   // No leftovers: a manifest and the two files it names.
-  int files = 0;
-  for (const auto& entry : test::fs::directory_iterator(ckpt)) files += entry.is_regular_file();
-  EXPECT_EQ(files, 3);
+  int regular = 0;
+  for (const auto& name : files::list_directory(ckpt)) regular += test::is_regular_file(files::join(ckpt, name));
+  EXPECT_EQ(regular, 3);
 }
 
 TEST(Checkpoint, DamagedOrForeignCheckpointsSayWhatIsWrong) {
   TempDir dir;
   const std::string ckpt = dir / "ckpt";
   EXPECT_NE(checkpoint_error(dir / "nowhere").find("is not a directory holding a checkpoint"), std::string::npos);
-  test::fs::create_directories(ckpt);
+  files::make_directories(ckpt);
   EXPECT_NE(checkpoint_error(ckpt).find("no checkpoint in"), std::string::npos);
 
   save_checkpoint(ckpt, sample(5));
   const std::string training = file_named(ckpt, "training");
-  const auto size = test::fs::file_size(training);
-  test::fs::resize_file(training, size - 100);
+  const auto size = test::file_size(training);
+  test::resize_file(training, size - 100);
   auto msg = checkpoint_error(ckpt);
   EXPECT_NE(msg.find(training + " is truncated (" + std::to_string(size - 100) + " of " + std::to_string(size)),
             std::string::npos)
@@ -117,14 +118,14 @@ TEST(Checkpoint, DamagedOrForeignCheckpointsSayWhatIsWrong) {
   const std::string model = file_named(ckpt, "model");
   {
     std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(static_cast<std::streamoff>(test::fs::file_size(model) / 2));
+    f.seekp(static_cast<std::streamoff>(test::file_size(model) / 2));
     f.put('\x7f');
   }
   msg = checkpoint_error(ckpt);
   EXPECT_NE(msg.find(model + " is corrupt"), std::string::npos) << msg;
 
   save_checkpoint(ckpt, sample(7));
-  test::fs::remove(file_named(ckpt, "model"));
+  files::remove_file(file_named(ckpt, "model"));
   EXPECT_NE(checkpoint_error(ckpt).find("is missing"), std::string::npos);
 
   test::write_file(ckpt + "/manifest", "{\"not\": \"ours\"}\n", false);

@@ -31,6 +31,29 @@ GradBucket make_bucket(const std::vector<std::vector<int64_t>>& shapes, size_t i
   return b;
 }
 
+// A wire for hooks called on the test's own thread: each collective is a
+// task on the rank's stream, through the production GroupWire.
+class StreamWire : public Wire {
+ public:
+  explicit StreamWire(Dist& dist) : dist_(dist) {}
+  int world_size() const override { return dist_.world_size; }
+  FuturePtr allreduce_sum(torch::Tensor tensor) override {
+    FuturePtr done;
+    dist_.comm->run([&](Channel& channel) {
+      GroupWire wire(channel, stats_);
+      done = wire.allreduce_sum(tensor);
+      done->waitAndThrow();
+    });
+    return done;
+  }
+  int64_t elements_sent() const { return stats_.elements; }
+  int64_t bytes_sent() const { return stats_.bytes; }
+
+ private:
+  Dist& dist_;
+  WireStats stats_;
+};
+
 torch::Tensor run_hook(CommHook& hook, GradBucket& bucket, Wire& wire) {
   auto result = hook.run(bucket, wire);
   result->waitAndThrow();
@@ -58,7 +81,7 @@ TEST(Fp16, EqualsAllreduceWithinFloat16Tolerance) {
   const auto inputs = per_rank(3, [](int) { return torch::randn({1000}); });
   const auto mean = (inputs[0] + inputs[1] + inputs[2]) / 3;
   run_ranks(3, [&](Dist& dist) {
-    GroupWire wire(dist.new_group("hook"));
+    StreamWire wire(dist);
     auto fp16 = make_comm_hook("fp16", {});
     auto bucket = make_bucket({{1000}});
     bucket.buffer.copy_(inputs[dist.rank]);
@@ -72,7 +95,7 @@ TEST(Fp16, EqualsAllreduceWithinFloat16Tolerance) {
 TEST(Fp16, GradientsNearFloat16MaxDoNotOverflow) {
   // 3 x 60000 would overflow float16 (max 65504) if summed before dividing.
   run_ranks(3, [&](Dist& dist) {
-    GroupWire wire(dist.new_group("hook"));
+    StreamWire wire(dist);
     auto fp16 = make_comm_hook("fp16", {});
     auto bucket = make_bucket({{4}});
     bucket.buffer.fill_(60000.0f);
@@ -86,7 +109,7 @@ TEST(PowerSgd, BeforeTheStartIterationIsBitIdenticalToNone) {
   torch::manual_seed(2);
   const auto inputs = per_rank(2, [](int) { return torch::randn({64 * 30 + 64}); });
   run_ranks(2, [&](Dist& dist) {
-    GroupWire wire(dist.new_group("hook"));
+    StreamWire wire(dist);
     AllreduceHook none;
     for (const std::string name : {"powersgd", "powersgd_fp16", "batched_powersgd_fp16"}) {
       auto hook = make_comm_hook(name, powersgd(2, 5));
@@ -117,7 +140,7 @@ TEST(PowerSgd, ReconstructsTheAveragedMatrixExactlyWhenItsRankIsAtMostR) {
   const auto mean = (inputs[0] + inputs[1] + inputs[2]) / 3;
   const auto mean_bias = (bias[0] + bias[1] + bias[2]) / 3;
   run_ranks(3, [&](Dist& dist) {
-    GroupWire wire(dist.new_group("hook"));
+    StreamWire wire(dist);
     PowerSgdHook hook(powersgd(2, 0, /*error_feedback=*/false, /*warm_start=*/false));
     auto bucket = make_bucket({{40, 25}, {40}});
     bucket.gradients[0].copy_(inputs[dist.rank]);
@@ -142,7 +165,7 @@ TEST(PowerSgd, WarmStartApproachesTheBestRankRApproximation) {
   const auto m = torch::mm(torch::mm(u, sigma), v.t());
   const double best = std::sqrt(4 * 4 + 3 * 3 + 2 * 2 + 1.5 * 1.5 + 1 + 0.25);  // sigma_3.. of the SVD
   run_ranks(2, [&](Dist& dist) {
-    GroupWire wire(dist.new_group("hook"));
+    StreamWire wire(dist);
     PowerSgdHook hook(powersgd(2, 2, /*error_feedback=*/false, /*warm_start=*/true));
     double error = 0;
     for (int step = 0; step < 22; ++step) {  // 2 plain steps, then 20 compressed
@@ -166,7 +189,7 @@ TEST(PowerSgd, ErrorFeedbackLosesNothingOverSteps) {
     for (const auto& r : g) truth += r.to(torch::kFloat64) / world;
   std::vector<torch::Tensor> applied(world), errors(world);
   run_ranks(world, [&](Dist& dist) {
-    GroupWire wire(dist.new_group("hook"));
+    StreamWire wire(dist);
     PowerSgdHook hook(powersgd(1, 2));
     torch::Tensor sum = torch::zeros({30 * 20 + 30}, torch::kFloat64);
     for (int s = 0; s < steps; ++s) {
@@ -197,7 +220,7 @@ TEST(BatchedPowerSgd, EqualsTheRankRApproximationOfThePaddedMeanMatrix) {
     });
     auto padded_mean = ((inputs[0] + inputs[1]) / 2).reshape(-1);
     run_ranks(2, [&](Dist& dist) {
-      GroupWire wire(dist.new_group("hook"));
+      StreamWire wire(dist);
       BatchedPowerSgdHook hook(powersgd(rank, 0, false, false));
       auto bucket = make_bucket({{70}});
       bucket.buffer.copy_(inputs[dist.rank].reshape(-1).slice(0, 0, 70));
@@ -214,7 +237,7 @@ TEST(PowerSgd, SaveAndRestoreResumeBitIdentically) {
   for (auto& g : grads) g = per_rank(2, [](int) { return torch::randn({20 * 16 + 20}); });
   for (const std::string name : {"powersgd", "powersgd_fp16", "batched_powersgd_fp16"}) {
     run_ranks(2, [&](Dist& dist) {
-      GroupWire wire(dist.new_group("hook"));
+      StreamWire wire(dist);
       auto step = [&](CommHook& hook, int s) {
         auto bucket = make_bucket({{20, 16}, {20}});
         bucket.buffer.copy_(grads[s][dist.rank]);

@@ -77,8 +77,8 @@ TEST(Dataset, LoadsAndNormalisesAsTorchvision) {
   TempDir dir;
   write_split(dir, "train", 20, 20);
   write_split(dir, "t10k", 10, 10);
-  check_dataset_files(dir.path().string(), "mnist");
-  const Dataset d = load_dataset(dir.path().string(), "mnist", true);
+  check_dataset_files(dir.path(), "mnist");
+  const Dataset d = load_dataset(dir.path(), "mnist", true);
   ASSERT_EQ(d.images.sizes(), (std::vector<int64_t>{20, 1, 28, 28}));
   EXPECT_EQ(d.labels.scalar_type(), torch::kInt64);
   const auto pixels = ramp(20 * 28 * 28);
@@ -92,25 +92,25 @@ TEST(Dataset, MismatchedCountsBadLabelsAndMissingFilesAreRefused) {
     TempDir dir;
     write_split(dir, "train", 20, 19);
     write_split(dir, "t10k", 10, 10);
-    const auto msg = data_error([&] { load_dataset(dir.path().string(), "mnist", true); });
+    const auto msg = data_error([&] { load_dataset(dir.path(), "mnist", true); });
     expect_contains(msg, "20 images but 19 labels");
-    expect_contains(data_error([&] { check_dataset_files(dir.path().string(), "mnist"); }), "20 images but 19 labels");
+    expect_contains(data_error([&] { check_dataset_files(dir.path(), "mnist"); }), "20 images but 19 labels");
   }
   {
     TempDir dir;
     write_split(dir, "train", 20, 20, /*max_label=*/12);
-    const auto msg = data_error([&] { load_dataset(dir.path().string(), "mnist", true); });
+    const auto msg = data_error([&] { load_dataset(dir.path(), "mnist", true); });
     expect_contains(msg, "label 12 is outside 0..9");
     expect_contains(msg, "train-labels-idx1-ubyte.gz");
   }
   {
     TempDir dir;
     write_split(dir, "train", 4, 4, 9, /*side=*/32);
-    expect_contains(data_error([&] { load_dataset(dir.path().string(), "mnist", true); }), "32x32, the model needs 28x28");
+    expect_contains(data_error([&] { load_dataset(dir.path(), "mnist", true); }), "32x32, the model needs 28x28");
   }
   {
     TempDir dir;
-    const auto msg = data_error([&] { check_dataset_files(dir.path().string(), "fashion-mnist"); });
+    const auto msg = data_error([&] { check_dataset_files(dir.path(), "fashion-mnist"); });
     expect_contains(msg, "FashionMNIST/raw");
     expect_contains(msg, "bash scripts/fetch_data.sh fashion-mnist");
   }

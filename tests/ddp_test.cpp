@@ -3,6 +3,7 @@
 #include "mnist_ddp/comm_hooks.hpp"
 #include "mnist_ddp/ddp.hpp"
 #include "mnist_ddp/model.hpp"
+#include "mnist_ddp/sync_batch_norm.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -23,7 +24,9 @@ struct SmallNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(SmallNet);
 
-double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<double>(); }
+double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
+}
 
 TEST(BucketAssignment, ClosesABucketOnceItReachesItsCap) {
   using Buckets = std::vector<std::vector<size_t>>;
@@ -155,6 +158,32 @@ TEST(Ddp, GradientsStayBucketViewsWhenTheOptimiserResetsThem) {
   });
 }
 
+TEST(Ddp, TheReplicaCheckNamesEachDifferingRankAndItsLargestDifference) {
+  auto models = models_with_seeds(3, 5);
+  std::vector<std::string> outcome(3);
+  run_ranks(3, [&](Dist& dist) {
+    DistributedDataParallel ddp(torch::nn::AnyModule(models[dist.rank]), dist, std::make_unique<AllreduceHook>(), 25);
+    ddp->check_replicas("at the start");  // rank 0's state was broadcast: nothing to say
+    if (dist.rank == 2) {
+      torch::NoGradGuard no_grad;
+      ddp->named_parameters()["module.conv.bias"][1].add_(0.25);
+      ddp->named_parameters()["module.fc.weight"][3][7].add_(0.5);
+    }
+    try {
+      ddp->check_replicas("after epoch 3");
+      outcome[dist.rank] = "(passed)";
+    } catch (const PeerLost& e) {
+      outcome[dist.rank] = std::string("echo: ") + e.what();
+    } catch (const std::exception& e) {
+      outcome[dist.rank] = e.what();
+    }
+  });
+  EXPECT_EQ(outcome[0],
+            "the replicas diverged after epoch 3: rank 2 differs from rank 0 by up to 0.5 (largest in module.fc.weight) "
+            "- replicas must stay bit-identical: a bug in mnist_ddp, please report it");
+  for (int r : {1, 2}) EXPECT_EQ(outcome[r], "echo: rank 0 found the replicas diverged after epoch 3");
+}
+
 struct TwoHeadsImpl : torch::nn::Module {
   TwoHeadsImpl() {
     used = register_module("used", torch::nn::Linear(4, 2));
@@ -180,6 +209,146 @@ TEST(Ddp, AParameterWithoutGradientIsNamed) {
     EXPECT_NE(e.find("unused.weight"), std::string::npos) << e;
     EXPECT_EQ(e.find(" used.weight"), std::string::npos) << e;
   }
+}
+
+// Every tensor as float64, flat.
+std::vector<torch::Tensor> flatten(const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : tensors) out.push_back(t.reshape(-1).to(torch::kFloat64));
+  return out;
+}
+
+// Conv, BatchNorm (made synchronous), linear: the shape of Net without its
+// dropout, whose masks come from each device's own generator.
+struct ConvBnNetImpl : torch::nn::Module {
+  ConvBnNetImpl() {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3)));
+    register_module("bn", torch::nn::BatchNorm2d(4));
+    fc = register_module("fc", torch::nn::Linear(144, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(forward_batch_norm(*named_children()["bn"], conv(x)));
+    return torch::log_softmax(fc(x.flatten(1)), 1);
+  }
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(ConvBnNet);
+
+constexpr int kPerRank = 4;
+
+ConvBnNet conv_bn_net() {
+  torch::manual_seed(21);
+  return ConvBnNet();
+}
+
+std::vector<Batches> conv_bn_batches(int world, int steps) {
+  std::vector<Batches> data;
+  for (int s = 0; s < steps; ++s) data.push_back(make_batches(world * kPerRank, 60 + s));
+  return data;
+}
+
+// Models built serially: ranks as threads share LibTorch's default generator.
+std::vector<ConvBnNet> conv_bn_nets(int count) {
+  std::vector<ConvBnNet> models;
+  for (int r = 0; r < count; ++r) models.push_back(conv_bn_net());
+  return models;
+}
+
+// This rank trains `model`, its BatchNorm made synchronous, under `hook`
+// (PowerSGD from step 2); returns its parameters and buffers, on the CPU.
+std::vector<torch::Tensor> train_conv_bn_net(Dist& dist, ConvBnNet model, const std::string& hook,
+                                             const std::vector<Batches>& data,
+                                             std::vector<torch::Tensor>* first_grads = nullptr) {
+  convert_sync_batchnorm(*model, dist.comm);
+  model->to(dist.device);
+  PowerSgdOptions powersgd;
+  powersgd.start_iter = 2;
+  DistributedDataParallel ddp(torch::nn::AnyModule(model), dist, make_comm_hook(hook, powersgd), 25);
+  torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(5e-4));
+  const int64_t begin = dist.rank * kPerRank;
+  for (const auto& d : data) {
+    opt.zero_grad();
+    torch::nll_loss(ddp->forward(d.x.slice(0, begin, begin + kPerRank).to(dist.device)),
+                    d.y.slice(0, begin, begin + kPerRank).to(dist.device))
+        .backward();
+    if (first_grads && first_grads->empty())
+      for (const auto& p : ddp->parameters()) first_grads->push_back(p.grad().cpu().clone());
+    opt.step();
+  }
+  std::vector<torch::Tensor> state;
+  for (const auto& t : ddp->parameters()) state.push_back(t.detach().cpu().clone());
+  for (const auto& t : ddp->buffers()) state.push_back(t.detach().cpu().clone());
+  return state;
+}
+
+// One process, BatchNorm2d on the concatenated batch, on the CPU.
+std::vector<torch::Tensor> train_oracle(const std::vector<Batches>& data, std::vector<torch::Tensor>* first_grads) {
+  ConvBnNet model = conv_bn_net();
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(5e-4));
+  for (const auto& d : data) {
+    opt.zero_grad();
+    torch::nll_loss(model->forward(d.x), d.y).backward();
+    if (first_grads->empty())
+      for (const auto& p : model->parameters()) first_grads->push_back(p.grad().clone());
+    opt.step();
+  }
+  std::vector<torch::Tensor> state;
+  for (const auto& t : model->parameters()) state.push_back(t.detach().clone());
+  for (const auto& t : model->buffers()) state.push_back(t.detach().clone());
+  return state;
+}
+
+const torch::Device kGpu(torch::kCUDA, 0);
+
+TEST(Ddp, SyncBatchNormRanksTrackOneProcessOnTheConcatenatedBatch) {
+  const auto data = conv_bn_batches(2, 3);
+  std::vector<torch::Tensor> oracle_grads;
+  const auto oracle = train_oracle(data, &oracle_grads);
+  const auto models = conv_bn_nets(2);
+  run_ranks(2, [&](Dist& dist) {
+    std::vector<torch::Tensor> grads;
+    const auto state = train_conv_bn_net(dist, models[dist.rank], "none", data, &grads);
+    for (size_t i = 0; i < oracle_grads.size(); ++i) EXPECT_LE(max_abs_diff(grads[i], oracle_grads[i]), 1e-5) << i;
+    for (size_t i = 0; i < oracle.size(); ++i) EXPECT_LE(max_abs_diff(state[i], oracle[i]), 1e-4) << i;
+  });
+}
+
+// The GPU's gradients equal the CPU's (TF32 off: it rounds convolutions to 10 bits).
+TEST(CudaDdp, OneStepOnTheGpuGivesTheCpusGradients) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device is visible to this LibTorch";
+  at::globalContext().setAllowTF32CuDNN(false);
+  const auto data = conv_bn_batches(2, 1);
+  std::vector<torch::Tensor> oracle_grads;
+  train_oracle(data, &oracle_grads);
+  const auto models = conv_bn_nets(2);
+  run_ranks(
+      2,
+      [&](Dist& dist) {
+        at::globalContext().setAllowTF32CuDNN(false);
+        std::vector<torch::Tensor> grads;
+        train_conv_bn_net(dist, models[dist.rank], "none", data, &grads);
+        for (size_t i = 0; i < oracle_grads.size(); ++i)
+          EXPECT_LE(max_abs_diff(grads[i], oracle_grads[i]), 1e-5) << "rank " << dist.rank << " parameter " << i;
+      },
+      kGpu);
+}
+
+TEST(CudaDdp, RanksSharingAGpuStayBitIdenticalUnderEveryHook) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device is visible to this LibTorch";
+  const auto data = conv_bn_batches(2, 5);
+  run_ranks(
+      2,
+      [&](Dist& dist) {
+        for (const std::string& hook : kCompressions) {
+          const auto state = torch::cat(flatten(train_conv_bn_net(dist, conv_bn_net(), hook, data)));
+          const auto all = dist.comm->gather_to_rank0(state);
+          for (size_t r = 1; r < all.size(); ++r)
+            EXPECT_TRUE(torch::equal(all[r], all[0])) << hook << ": rank " << r << " differs from rank 0";
+          EXPECT_TRUE(torch::isfinite(state).all().item<bool>()) << hook;
+        }
+      },
+      kGpu);
 }
 
 }  // namespace

@@ -7,6 +7,8 @@
 #include <map>
 #include <regex>
 
+#include "mnist_ddp/files.hpp"
+#include "mnist_ddp/options.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -28,7 +30,7 @@ double last_test_accuracy(const std::string& log) {
 }
 
 TEST(EndToEnd, TwoGlooWorkersLearnMnistInOneEpoch) {
-  ASSERT_TRUE(test::fs::exists(kData + "/MNIST/raw")) << "run: bash scripts/fetch_data.sh mnist";
+  ASSERT_TRUE(files::exists(kData + "/MNIST/raw")) << "run: bash scripts/fetch_data.sh mnist";
   TempDir dir;
   const std::string out = dir / "output.txt";
   Process run({"--backend", "gloo", "--nproc", "2", "--epochs", "1", "--compression", "none", "--data-dir", kData,
@@ -50,7 +52,7 @@ TEST(EndToEnd, TwoGlooWorkersLearnMnistInOneEpoch) {
   const double accuracy = last_test_accuracy(log);
   std::cout << "test top-1 after one epoch: " << accuracy << "%" << std::endl;
   EXPECT_GE(accuracy, 85.0) << log;
-  EXPECT_TRUE(test::fs::exists(dir / "out/mnist_model.pt"));
+  EXPECT_TRUE(files::exists(dir / "out/mnist_model.pt"));
   EXPECT_NE(console.find("The folder '" + dir / "out" + "' was created."), std::string::npos) << console;
   EXPECT_TRUE(std::regex_search(log, std::regex(R"(\| Startup: first step \d+\.\d\d s after launch)"))) << log;
   // Not a terminal: no progress line.
@@ -139,8 +141,12 @@ TEST(EndToEnd, ATerminalShowsAProgressLineAndMetricsPlot) {
   EXPECT_TRUE(std::regex_search(shown, std::regex(R"(ETA \d+:\d\d\r\x1b\[K\d\d/\d\d )"))) << shown;
   EXPECT_EQ(read_text(dir / "out/mnist_train.log").find("ETA"), std::string::npos);
 
-  // Two runs' curves side by side in one PNG.
-  test::fs::copy(dir / "out", dir / "copy", test::fs::copy_options::recursive);
+  // Two runs' curves side by side in one PNG. scripts/install_deps.sh
+  // installs gnuplot, and the script would from Debian's archive.
+  if (std::system("command -v gnuplot >/dev/null || command -v apt-get >/dev/null && apt-cache show gnuplot-nox "
+                  ">/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "the plot: no gnuplot here, and no package archive to install it from";
+  test::copy_tree(dir / "out", dir / "copy");
   const std::string plot = dir / "curves.png";
   const std::string command = "bash " + std::string(MNIST_DDP_SOURCE_DIR) + "/scripts/plot_metrics.sh '" + plot +
                               "' '" + dir / "out" + "' '" + dir / "copy/metrics.csv" + "' >'" + dir / "plot.txt" +
@@ -153,24 +159,26 @@ TEST(EndToEnd, ATerminalShowsAProgressLineAndMetricsPlot) {
   EXPECT_NE(read_text(dir / "plot.txt").find("not a metrics.csv written by mnist_ddp"), std::string::npos);
 }
 
-// Every hook trains Net as well as plain allreduce does: within 1.5 points
-// of test top-1 after the same 756 steps (6 epochs of the MNIST set on 2
-// workers), PowerSGD compressing from step 10.
+// Every hook trains Net as well as plain allreduce does: within `margin`
+// points of test top-1 after the same number of epochs of the MNIST set on 2
+// workers, PowerSGD compressing from step 10, and each above `floor` (so a
+// log that yields no accuracy fails too).
 //
 // batched_powersgd_fp16 runs at rank 4. At the default rank 2 it trails
 // none by 1.2 to 2.0 points here (seeds 0-2, after 6 and after 10 epochs):
 // one rank-2 approximation of the whole bucket as a square matrix loses
 // more than per-layer PowerSGD, as PyTorch documents for this variant.
-TEST(EndToEnd, EveryCompressionLearnsAsWellAsNone) {
-  ASSERT_TRUE(test::fs::exists(kData + "/MNIST/raw")) << "run: bash scripts/fetch_data.sh mnist";
+void expect_every_compression_learns_as_well_as_none(int epochs, double margin, double floor) {
+  ASSERT_TRUE(files::exists(kData + "/MNIST/raw")) << "run: bash scripts/fetch_data.sh mnist";
   const std::vector<std::pair<std::string, std::vector<std::string>>> runs = {
       {"none", {}}, {"fp16", {}}, {"powersgd", {}}, {"powersgd_fp16", {}},
       {"batched_powersgd_fp16", {"--powersgd-rank", "4"}}};
   std::map<std::string, double> accuracy;
   for (const auto& [compression, extra] : runs) {
     TempDir dir;
-    std::vector<std::string> args = {"--backend", "gloo", "--nproc", "2", "--epochs", "6", "--compression",
-                                      compression, "--start-powersgd-iter", "10", "--log-interval", "100",
+    std::vector<std::string> args = {"--backend", "gloo", "--nproc", "2", "--epochs", std::to_string(epochs),
+                                      "--compression", compression, "--start-powersgd-iter", "10",
+                                      "--log-interval", "100", "--checkpoint-every", "0",
                                       "--data-dir", kData, "--path", dir / "out"};
     args.insert(args.end(), extra.begin(), extra.end());
     Process run(args, dir / "output.txt");
@@ -178,11 +186,59 @@ TEST(EndToEnd, EveryCompressionLearnsAsWellAsNone) {
     ASSERT_TRUE(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_text(dir / "output.txt");
     const std::string log = read_text(dir / "out/mnist_train.log");
     accuracy[compression] = last_test_accuracy(log);
-    std::cout << compression << ": test top-1 " << accuracy[compression] << "%" << std::endl;
+    std::cout << compression << ": test top-1 " << accuracy[compression] << "% after " << epochs << " epochs"
+              << std::endl;
     EXPECT_NE(log.find("Compression: " + compression + " "), std::string::npos) << log;
+    EXPECT_GE(accuracy[compression], floor) << compression << "\n" << log;
   }
   for (const auto& [compression, top1] : accuracy)
-    EXPECT_GE(top1, accuracy["none"] - 1.5) << compression << " trails none (" << accuracy["none"] << "%)";
+    EXPECT_GE(top1, accuracy["none"] - margin) << compression << " trails none (" << accuracy["none"] << "%)";
+}
+
+TEST(EndToEnd, EveryCompressionLearnsAsWellAsNone) { expect_every_compression_learns_as_well_as_none(2, 1.5, 93); }
+
+TEST(SlowEndToEnd, EveryCompressionLearnsAsWellAsNoneOverSixEpochs) {
+  expect_every_compression_learns_as_well_as_none(6, 1.5, 96);
+}
+
+// Two workers sharing one GPU over Gloo: the whole multi-rank CUDA path
+// (buckets in device memory, SyncBatchNorm across ranks, every hook, the
+// replica check after each epoch) against the same run on 2 CPU workers.
+// Dropout draws differ between the devices, so accuracies agree within a
+// point, not exactly (batched_powersgd_fp16 at rank 4, as above: at rank 2
+// it was 2 points apart in one run).
+TEST(CudaEndToEnd, TwoWorkersSharingOneGpuTrainEveryHookAsTheCpuDoes) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device is visible to this LibTorch";
+  ASSERT_TRUE(files::exists(kData + "/MNIST/raw")) << "run: bash scripts/fetch_data.sh mnist";
+  for (const std::string& compression : kCompressions) {
+    std::map<std::string, double> accuracy;
+    for (const std::string device : {"gpu", "cpu"}) {
+      TempDir dir;
+      std::vector<std::string> args = {"--backend", "gloo", "--epochs", "2", "--compression", compression,
+                                        "--start-powersgd-iter", "10", "--log-interval", "100",
+                                        "--data-dir", kData, "--path", dir / "out"};
+      for (const auto& a : device == "gpu" ? std::vector<std::string>{"--gpus", "0,0"}
+                                           : std::vector<std::string>{"--nproc", "2"})
+        args.push_back(a);
+      if (compression == "batched_powersgd_fp16") {  // see EveryCompressionLearnsAsWellAsNone
+        args.push_back("--powersgd-rank");
+        args.push_back("4");
+      }
+      Process run(args, dir / "output.txt");
+      const int status = run.wait(600s);
+      ASSERT_TRUE(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_text(dir / "output.txt");
+      const std::string log = read_text(dir / "out/mnist_train.log");
+      EXPECT_NE(log.find("Replicas: all 2 ranks hold identical parameters"), std::string::npos) << log;
+      if (device == "gpu") {
+        EXPECT_NE(log.find("device cuda:0"), std::string::npos) << log;
+      }
+      accuracy[device] = last_test_accuracy(log);
+      EXPECT_GE(accuracy[device], 90.0) << log;
+    }
+    std::cout << compression << ": test top-1 after 2 epochs, 2 workers on one GPU " << accuracy["gpu"]
+              << "%, on the CPU " << accuracy["cpu"] << "%" << std::endl;
+    EXPECT_NEAR(accuracy["gpu"], accuracy["cpu"], 1.0) << compression;
+  }
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <regex>
 
 #include "mnist_ddp/checkpoint.hpp"
+#include "mnist_ddp/files.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -21,7 +22,6 @@ using test::idx_bytes;
 using test::Process;
 using test::read_text;
 using test::TempDir;
-namespace fs = std::filesystem;
 
 // Orphans are reparented to the test process, so a worker left behind is
 // found as our child.
@@ -97,13 +97,13 @@ TEST_F(Faults, UsageErrorsExitWith2) {
       {{"--epochs", "0"}, "--epochs: must be a positive integer"},
       {{"--lr", "-0.1"}, "--lr: must be a positive number"},
       {{"--lr", "fast"}, "--lr: must be a positive number, got 'fast'"},
-      {{"--gpus", "3"}, "--gpus: device 3 does not exist"},
-      {{"--backend", "nccl"}, "--backend nccl"},
+      {{"--gpus", "9"}, "--gpus: device 9 does not exist"},
+      {{"--backend", "nccl", "--gpus", "0,0"}, "--backend nccl"},  // CPU-only build, no GPU, or a GPU twice
   };
   for (const auto& [args, message] : cases) {
     SCOPED_TRACE(args.front() + " " + args.back());
     expect_one_error_line(run(with(base(dir), args), dir), 2, message);
-    EXPECT_FALSE(fs::exists(dir / "out")) << "nothing is created for a usage error";
+    EXPECT_FALSE(files::exists(dir / "out")) << "nothing is created for a usage error";
   }
 }
 
@@ -168,15 +168,15 @@ TEST_F(Faults, ResumeFromMissingTruncatedOrForeignCheckpoints) {
   const std::string ckpt = dir / "out/checkpoint";
   ASSERT_TRUE(has_checkpoint(ckpt));
   std::string training;
-  for (const auto& e : fs::directory_iterator(ckpt))
-    if (e.path().filename().string().rfind("training-", 0) == 0) training = e.path().string();
-  fs::copy(ckpt, dir / "intact", fs::copy_options::recursive);
-  fs::resize_file(training, fs::file_size(training) / 2);
+  for (const auto& name : files::list_directory(ckpt))
+    if (name.rfind("training-", 0) == 0) training = files::join(ckpt, name);
+  test::copy_tree(ckpt, dir / "intact");
+  test::resize_file(training, test::file_size(training) / 2);
   expect_one_error_line(run(with(base(dir), {"--resume", ckpt}), dir), 1, "is truncated");
   expect_one_error_line(run(with(base(dir), {"--resume", "auto"}), dir), 1, "is truncated");
 
-  fs::remove_all(ckpt);
-  fs::create_directories(ckpt);
+  files::remove_tree(ckpt);
+  files::make_directories(ckpt);
   test::write_file(ckpt + "/manifest", "PK\x03\x04 not ours", false);
   expect_one_error_line(run(with(base(dir), {"--resume", ckpt}), dir), 1, "is not a mnist_ddp checkpoint");
 
@@ -184,7 +184,7 @@ TEST_F(Faults, ResumeFromMissingTruncatedOrForeignCheckpoints) {
   Checkpoint other = load_checkpoint(dir / "intact");
   other.model = TensorDict();
   other.model.insert("module.fc.weight", torch::zeros({2, 2}));
-  fs::remove_all(ckpt);
+  files::remove_tree(ckpt);
   save_checkpoint(ckpt, other);
   expect_one_error_line(run(with(base(dir), {"--resume", ckpt}), dir), 1, "holds a different model");
 }
@@ -200,7 +200,8 @@ TEST_F(Faults, DivergedTrainingStopsNamingEpochAndStep) {
 TEST_F(Faults, APeerThatNeverArrivesTimesOut) {
   TempDir dir;
   test::write_synthetic_mnist(dir / "data", 64, 32);
-  const std::vector<std::string> args = {"--data-dir", dir / "data", "--path", dir / "out", "--timeout", "3"};
+  const std::vector<std::string> args = {"--backend", "gloo", "--data-dir", dir / "data", "--path", dir / "out",
+                                         "--timeout", "3"};
   // Started as torchrun would start rank 0 of 2; rank 1 never comes.
   const Outcome o =
       run(args, dir, 60s, {"RANK=0", "WORLD_SIZE=2", "LOCAL_RANK=0", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=29731"});

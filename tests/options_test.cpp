@@ -209,5 +209,42 @@ TEST(Options, SeveralNodesNeedAPortAndAValidNodeRank) {
   EXPECT_EQ(shared.at("compression"), "powersgd_fp16");
 }
 
+// A one-GPU machine runs several workers on its GPU over Gloo; NCCL refuses.
+TEST(Placement, WorkersShareAGpuOverGlooAndNcclRefusesARepeatedDevice) {
+  auto place = [](const std::vector<std::string>& args, bool cuda_build, int visible) {
+    return plan_placement(parse(args), cuda_build, visible);
+  };
+  auto refusal = [&](const std::vector<std::string>& args, bool cuda_build, int visible) {
+    try {
+      place(args, cuda_build, visible);
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  Placement p = place({"--gpus", "0,0"}, true, 1);
+  EXPECT_EQ(p.backend, "gloo") << "auto: a repeated id means sharing, so Gloo";
+  EXPECT_EQ(p.devices, (std::vector<int>{0, 0}));
+  EXPECT_EQ(p.local_workers, 2);
+  p = place({"--backend", "gloo", "--gpus", "0,0,0"}, true, 1);
+  EXPECT_EQ(p.devices, (std::vector<int>{0, 0, 0}));
+  p = place({}, true, 2);
+  EXPECT_EQ(p.backend, "nccl");
+  EXPECT_EQ(p.devices, (std::vector<int>{0, 1}));
+  p = place({"--nproc", "3"}, true, 0);
+  EXPECT_EQ(p.backend, "gloo");
+  EXPECT_TRUE(p.devices.empty());
+  EXPECT_EQ(p.local_workers, 3);
+
+  EXPECT_EQ(refusal({"--backend", "nccl", "--gpus", "0,0"}, true, 1),
+            "--gpus: device 0 is listed twice, but --backend nccl needs a GPU of its own per worker; use --backend "
+            "gloo to let workers share a GPU");
+  EXPECT_EQ(refusal({"--gpus", "0,2"}, true, 2), "--gpus: device 2 does not exist (2 visible, ids 0..1)");
+  EXPECT_EQ(refusal({"--backend", "gloo", "--gpus", "0"}, false, 0),
+            "--gpus: device 0 does not exist (no CUDA device is visible to this build)");
+  EXPECT_NE(refusal({"--backend", "nccl"}, false, 0).find("CPU-only LibTorch"), std::string::npos);
+  EXPECT_NE(refusal({"--backend", "nccl"}, true, 0).find("no CUDA device is visible"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace mnist_ddp

@@ -11,6 +11,7 @@
 #include <set>
 
 #include "mnist_ddp/checkpoint.hpp"
+#include "mnist_ddp/files.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -21,7 +22,6 @@ using test::eventually;
 using test::Process;
 using test::read_text;
 using test::TempDir;
-namespace fs = std::filesystem;
 
 int run(const std::vector<std::string>& args, const std::string& output, std::chrono::seconds limit = 300s) {
   Process p(args, output);
@@ -120,24 +120,29 @@ TEST(Resume, SigtermKeepsTheLastCompleteCheckpoint) {
   EXPECT_EQ(run(more, dir / "out2.txt"), 0) << read_text(dir / "out2.txt");
 }
 
-TEST(Resume, AKillAtAnyMomentOfCheckpointingLeavesAResumableOne) {
-  // 256 images: 4 steps an epoch, a checkpoint after each, so the kills land
-  // in and around checkpoint writes. SIGKILL to the whole job, as a crash.
+TEST(Resume, AKillAtEachPointOfCheckpointingLeavesAResumableOne) {
+  // 256 images: 4 steps an epoch and a checkpoint after each. A save is 4
+  // file operations (model, training state, manifest, removing stale files);
+  // run k kills rank 0 right after the k-th operation of its checkpointing,
+  // through the trainer's fault-injection seam, and resumes from what the
+  // kill left behind.
   TempDir dir;
   test::write_synthetic_mnist(dir / "data", 256, 64);
   const auto args = job(dir / "data", dir / "out", "powersgd_fp16", {"--epochs", "1000", "--resume", "auto"});
-  int kills = 0;
-  for (int delay_ms : {1700, 2100, 2350, 2600, 2900, 3300, 3750}) {
-    Process p(args, dir / "out.txt");
-    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
-    kill(-p.pid(), SIGKILL);
-    p.wait(10s);
-    ++kills;
+  for (int point = 1; point <= 8; ++point) {
+    Process p(args, dir / "out.txt", {"MNIST_DDP_KILL_AT_WRITE=" + std::to_string(point)});
+    const int status = p.wait(120s);
+    ASSERT_NE(status, -1) << "still running after the kill point " << point;
+    EXPECT_NE(read_text(dir / "out.txt").find("was killed by signal 9"), std::string::npos)
+        << "kill point " << point << " was never reached:\n" << read_text(dir / "out.txt");
+    // The first save's manifest lands with its 3rd operation.
+    EXPECT_EQ(has_checkpoint(dir / "out/checkpoint"), point >= 3) << "after kill point " << point;
     if (has_checkpoint(dir / "out/checkpoint")) {
-      EXPECT_NO_THROW(load_checkpoint(dir / "out/checkpoint")) << "after kill " << kills;
+      EXPECT_NO_THROW(load_checkpoint(dir / "out/checkpoint")) << "after kill point " << point;
     }
   }
   const Checkpoint c = load_checkpoint(dir / "out/checkpoint");
+  EXPECT_GE(c.step, 4 * 6) << "each run after the first adds at least one epoch";
   auto more = args;
   more.insert(more.end(), {"--max-steps", std::to_string(c.step + 2)});
   EXPECT_EQ(run(more, dir / "out.txt"), 0) << read_text(dir / "out.txt");
@@ -163,8 +168,8 @@ TEST(Interop, PythonLoadsTheModelsAndReproducesTheLoggedAccuracy) {
   const std::string expected = best.substr(best.find(": ") + 2);  // e.g. "96.4930%"
 
   std::string checkpoint_model;
-  for (const auto& e : fs::directory_iterator(dir / "out/checkpoint"))
-    if (e.path().filename().string().rfind("model-", 0) == 0) checkpoint_model = e.path().string();
+  for (const auto& name : files::list_directory(dir / "out/checkpoint"))
+    if (name.rfind("model-", 0) == 0) checkpoint_model = dir / ("out/checkpoint/" + name);
   for (const std::string& model : {dir / "out/mnist_model.pt", checkpoint_model}) {
     const std::string command = python + " " + MNIST_DDP_SOURCE_DIR + "/scripts/evaluate_model.py " + model + " " +
                                 dir / "data/MNIST/raw" + " > " + dir / "python.txt" + " 2>&1";
@@ -186,9 +191,8 @@ TEST(Security, FilesAreNeverWorldWritableAndTheStoreListensOnLoopbackOnly) {
   // Every listening socket of the workers, from /proc/net/tcp{,6}.
   std::set<std::string> inodes;
   for (pid_t w : test::children_of(p.pid()))
-    for (const auto& fd : fs::directory_iterator("/proc/" + std::to_string(w) + "/fd")) {
-      std::error_code ec;
-      const std::string target = fs::read_symlink(fd.path(), ec).string();
+    for (const auto& fd : files::list_directory("/proc/" + std::to_string(w) + "/fd")) {
+      const std::string target = test::read_symlink("/proc/" + std::to_string(w) + "/fd/" + fd);
       if (target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
     }
   int listening = 0;
@@ -209,10 +213,10 @@ TEST(Security, FilesAreNeverWorldWritableAndTheStoreListensOnLoopbackOnly) {
   EXPECT_GE(listening, 1) << "the store's listening socket was not found";
   ASSERT_EQ(WEXITSTATUS(p.wait(120s)), 0);
 
-  for (const auto& entry : fs::recursive_directory_iterator(dir / "out")) {
+  for (const auto& path : test::walk(dir / "out")) {
     struct stat st{};
-    ASSERT_EQ(stat(entry.path().c_str(), &st), 0);
-    EXPECT_EQ(st.st_mode & S_IWOTH, 0u) << entry.path() << " is world-writable";
+    ASSERT_EQ(stat(path.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & S_IWOTH, 0u) << path << " is world-writable";
   }
   struct stat st{};
   stat((dir / "out").c_str(), &st);

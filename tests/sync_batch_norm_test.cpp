@@ -15,7 +15,7 @@ using test::run_ranks;
 
 double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
   if (a.numel() == 0) return 0;
-  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
+  return (a.cpu().to(torch::kFloat64) - b.cpu().to(torch::kFloat64)).abs().max().item<double>();
 }
 
 struct Case {
@@ -26,8 +26,9 @@ struct Case {
 // Every rank's slice of one global batch goes through SyncBatchNorm; the
 // oracle is BatchNorm2d on the whole batch in one process. The loss is
 // sum(y * g) with a fixed g, so the parameter gradients of the oracle are
-// the sums of the ranks' shares.
-void expect_matches_batch_norm_on_the_concatenated_batch(const Case& c) {
+// the sums of the ranks' shares. The ranks compute on `device` (sharing it
+// over Gloo when it is a GPU); the oracle on the CPU.
+void expect_matches_batch_norm_on_the_concatenated_batch(const Case& c, torch::Device device = torch::kCPU) {
   const int world = static_cast<int>(c.batch_sizes.size());
   const int64_t channels = 5, total = std::accumulate(c.batch_sizes.begin(), c.batch_sizes.end(), int64_t{0});
   std::vector<int64_t> begin{0};
@@ -55,8 +56,11 @@ void expect_matches_batch_norm_on_the_concatenated_batch(const Case& c) {
     oracle_db.push_back(oracle->bias.grad().clone());
   }
 
-  run_ranks(world, [&](Dist& dist) {
-    SyncBatchNorm bn(torch::nn::BatchNormOptions(channels), dist.group);
+  run_ranks(
+      world,
+      [&](Dist& dist) {
+    SyncBatchNorm bn(torch::nn::BatchNormOptions(channels), dist.comm);
+    bn->to(device);
     {
       torch::NoGradGuard no_grad;
       bn->weight.copy_(weight0);
@@ -65,20 +69,21 @@ void expect_matches_batch_norm_on_the_concatenated_batch(const Case& c) {
     const int64_t lo = begin[dist.rank], hi = begin[dist.rank + 1];
     for (int s = 0; s < c.steps; ++s) {
       bn->zero_grad();
-      auto x = xs[s].slice(0, lo, hi).clone().requires_grad_(true);
+      auto x = xs[s].slice(0, lo, hi).to(device).requires_grad_(true);
       auto y = bn->forward(x);
-      (y * gs[s].slice(0, lo, hi)).sum().backward();
+      (y * gs[s].slice(0, lo, hi).to(device)).sum().backward();
       EXPECT_LE(max_abs_diff(y, oracle_y[s].slice(0, lo, hi)), 1e-5) << "output, step " << s;
       EXPECT_LE(max_abs_diff(x.grad(), oracle_dx[s].slice(0, lo, hi)), 1e-5) << "input gradient, step " << s;
       auto shares = torch::cat({bn->weight.grad(), bn->bias.grad()});
-      allreduce_sum(*dist.group, shares);
+      dist.comm->allreduce_sum(shares);
       EXPECT_LE(max_abs_diff(shares.slice(0, 0, channels), oracle_dw[s]), 1e-5) << "weight gradient, step " << s;
       EXPECT_LE(max_abs_diff(shares.slice(0, channels), oracle_db[s]), 1e-5) << "bias gradient, step " << s;
     }
     EXPECT_LE(max_abs_diff(bn->running_mean, oracle->running_mean), 1e-5);
     EXPECT_LE(max_abs_diff(bn->running_var, oracle->running_var), 1e-5);
     EXPECT_EQ(bn->num_batches_tracked.item<int64_t>(), oracle->num_batches_tracked.item<int64_t>());
-  });
+      },
+      device);
 }
 
 TEST(SyncBatchNorm, TwoRanksWithUnequalBatchesMatchBatchNormOnTheWholeBatch) {
@@ -93,12 +98,18 @@ TEST(SyncBatchNorm, ARankWithAnEmptyBatchNeitherHangsNorSkews) {
   expect_matches_batch_norm_on_the_concatenated_batch({{4, 0, 3}, 2});
 }
 
+TEST(CudaSyncBatchNorm, TwoRanksSharingOneGpuMatchBatchNormOnTheWholeBatch) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device is visible to this LibTorch";
+  at::globalContext().setAllowTF32CuDNN(false);
+  expect_matches_batch_norm_on_the_concatenated_batch({{3, 5}, 3}, torch::Device(torch::kCUDA, 0));
+}
+
 TEST(SyncBatchNorm, WorldSizeOneIsBatchNorm2dExactly) {
   torch::manual_seed(3);
   const auto x = torch::randn({6, 4, 5, 5});
   torch::nn::BatchNorm2d plain(4);
   run_ranks(1, [&](Dist& dist) {
-    SyncBatchNorm sync(torch::nn::BatchNormOptions(4), dist.group);
+    SyncBatchNorm sync(torch::nn::BatchNormOptions(4), dist.comm);
     for (int step = 0; step < 2; ++step) {
       auto a = x.clone().requires_grad_(true), b = x.clone().requires_grad_(true);
       auto ya = plain->forward(a), yb = sync->forward(b);
@@ -116,7 +127,7 @@ TEST(SyncBatchNorm, EvalUsesRunningStatisticsAndNeverCommunicates) {
   // Rank r evaluates r + 1 batches: any collective would leave a rank waiting.
   std::vector<torch::Tensor> outputs(3);
   run_ranks(3, [&](Dist& dist) {
-    SyncBatchNorm bn(torch::nn::BatchNormOptions(2), dist.group);
+    SyncBatchNorm bn(torch::nn::BatchNormOptions(2), dist.comm);
     {
       torch::NoGradGuard no_grad;
       bn->running_mean.copy_(torch::tensor({1.0f, -2.0f}));
@@ -140,7 +151,7 @@ TEST(SyncBatchNorm, ConvertingNetKeepsItsStateDictNamesAndValues) {
   }
   const auto before = state_dict(*net);
   const void* weight_before = net->named_parameters()["bn2.weight"].data_ptr();
-  run_ranks(1, [&](Dist& dist) { convert_sync_batchnorm(*net, dist.group); });
+  run_ranks(1, [&](Dist& dist) { convert_sync_batchnorm(*net, dist.comm); });
   const auto after = state_dict(*net);
   ASSERT_EQ(before.size(), after.size());
   auto a = before.begin();

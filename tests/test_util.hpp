@@ -4,22 +4,26 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <stdexcept>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -28,14 +32,17 @@
 #include <zlib.h>
 
 #include "mnist_ddp/dist.hpp"
+#include "mnist_ddp/files.hpp"
 
 namespace mnist_ddp::test {
 
-namespace fs = std::filesystem;
+void run_rank_processes(int world, const std::function<void(Dist&)>& fn, torch::Device device);
 
-// Runs fn(dist) on `world` ranks, each a thread with its own Gloo groups
-// over one shared in-memory store. Rethrows the first failure.
-inline void run_ranks(int world, const std::function<void(Dist&)>& fn) {
+// Runs fn(dist) on `world` ranks with Gloo groups, their tensors on
+// `device`. On the CPU each rank is a thread, all over one in-memory store;
+// the first failure is rethrown. On a GPU, see run_rank_processes.
+inline void run_ranks(int world, const std::function<void(Dist&)>& fn, torch::Device device = torch::kCPU) {
+  if (device.is_cuda()) return run_rank_processes(world, fn, device);
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::thread> threads;
   std::mutex mutex;
@@ -45,6 +52,7 @@ inline void run_ranks(int world, const std::function<void(Dist&)>& fn) {
       try {
         Dist dist = make_dist(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(60));
         fn(dist);
+        if (world > 1) dist.comm->barrier();  // no rank tears its group down while another still talks on it
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex);
         if (!failure) failure = std::current_exception();
@@ -59,19 +67,68 @@ inline void run_ranks(int world, const std::function<void(Dist&)>& fn) {
 class TempDir {
  public:
   TempDir() {
-    std::string templ = (fs::temp_directory_path() / "mnist_ddp_test_XXXXXX").string();
-    path_ = mkdtemp(templ.data());
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = files::join(tmp && *tmp ? tmp : "/tmp", "mnist_ddp_test_XXXXXX");
+    if (!mkdtemp(templ.data())) throw std::runtime_error("mkdtemp " + templ + ": " + std::strerror(errno));
+    path_ = templ;
   }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+  ~TempDir() { files::remove_tree(path_); }
+  const std::string& path() const { return path_; }
+  std::string operator/(const std::string& name) const { return files::join(path_, name); }
 
  private:
-  fs::path path_;
+  std::string path_;
 };
+
+// True for a regular file (or a link to one).
+inline bool is_regular_file(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+// The size of a file in bytes, -1 if it cannot be read.
+inline int64_t file_size(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+}
+
+inline void resize_file(const std::string& path, int64_t size) {
+  if (truncate(path.c_str(), size) != 0) throw std::runtime_error("cannot resize " + path);
+}
+
+// Where the symbolic link `path` points, "" if it is not one.
+inline std::string read_symlink(const std::string& path) {
+  char target[4096];
+  const ssize_t n = readlink(path.c_str(), target, sizeof target);
+  return n > 0 ? std::string(target, static_cast<size_t>(n)) : std::string();
+}
+
+// Every path below `dir`, depth first; links to directories are not followed.
+inline std::vector<std::string> walk(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& name : files::list_directory(dir)) {
+    const std::string path = files::join(dir, name);
+    out.push_back(path);
+    struct stat st;
+    if (lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+      for (const auto& below : walk(path)) out.push_back(below);
+  }
+  return out;
+}
+
+// Copies the regular files of `from` into `to` (created), keeping the layout.
+inline void copy_tree(const std::string& from, const std::string& to) {
+  files::make_directories(to);
+  for (const auto& name : files::list_directory(from)) {
+    const std::string src = files::join(from, name), dst = files::join(to, name);
+    if (files::is_directory(src)) {
+      copy_tree(src, dst);
+    } else {
+      std::ifstream in(src, std::ios::binary);
+      std::ofstream(dst, std::ios::binary) << in.rdbuf();
+    }
+  }
+}
 
 inline std::string idx_bytes(const std::vector<uint32_t>& dims, const std::vector<uint8_t>& data,
                              uint32_t magic = 0) {
@@ -86,7 +143,7 @@ inline std::string idx_bytes(const std::vector<uint32_t>& dims, const std::vecto
 }
 
 inline void write_file(const std::string& path, const std::string& bytes, bool gzip) {
-  fs::create_directories(fs::path(path).parent_path());
+  files::make_directories(path.substr(0, path.find_last_of('/')));
   if (gzip) {
     gzFile f = gzopen(path.c_str(), "wb");
     gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size()));
@@ -172,10 +229,9 @@ class Process {
 // The direct children of `pid`.
 inline std::vector<pid_t> children_of(pid_t pid) {
   std::vector<pid_t> out;
-  for (const auto& entry : fs::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename().string();
+  for (const auto& name : files::list_directory("/proc")) {
     if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
+    std::ifstream stat("/proc/" + name + "/stat");
     std::string line;
     std::getline(stat, line);
     const auto close = line.rfind(')');
@@ -224,6 +280,40 @@ inline bool no_children_left(std::chrono::milliseconds limit) {
         return children_of(getpid()).empty();
       },
       limit);
+}
+
+// Ranks on a GPU cannot be threads of one process: LibTorch runs every
+// process's CUDA backward on one thread per device, so one rank blocked in a
+// collective inside backward would block the others' backward too. On a
+// GPU, run_ranks() starts `world` fresh processes of this test binary (a
+// fork would inherit an initialised CUDA), each running only the current
+// test, as one rank over a FileStore; the parent fails when a rank does. So
+// a CUDA test must assert inside `fn`: what the ranks write to variables
+// stays in their processes.
+inline void run_rank_processes(int world, const std::function<void(Dist&)>& fn, torch::Device device) {
+  if (const char* rank = std::getenv("MNIST_DDP_TEST_RANK")) {  // this process is one of the ranks
+    auto store = c10::make_intrusive<c10d::FileStore>(std::getenv("MNIST_DDP_TEST_STORE"), world);
+    Dist dist = make_dist(store, std::atoi(rank), world, "gloo", device, std::chrono::seconds(60));
+    fn(dist);
+    if (world > 1) dist.comm->barrier();
+    return;
+  }
+  TempDir dir;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string filter = std::string("--gtest_filter=") + info->test_suite_name() + "." + info->name();
+  char self[4096] = {};
+  ASSERT_GT(readlink("/proc/self/exe", self, sizeof self - 1), 0);
+  std::vector<std::unique_ptr<Process>> ranks;
+  for (int r = 0; r < world; ++r)
+    ranks.push_back(std::make_unique<Process>(
+        std::vector<std::string>{self, filter}, dir / ("rank" + std::to_string(r) + ".txt"),
+        std::vector<std::string>{"MNIST_DDP_TEST_RANK=" + std::to_string(r), "MNIST_DDP_TEST_STORE=" + (dir / "store")},
+        /*command=*/true));
+  for (int r = 0; r < world; ++r) {
+    const int status = ranks[r]->wait(std::chrono::seconds(300));
+    EXPECT_TRUE(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "rank " << r << " failed:\n" << read_text(dir / ("rank" + std::to_string(r) + ".txt"));
+  }
 }
 
 }  // namespace mnist_ddp::test

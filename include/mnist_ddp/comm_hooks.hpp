@@ -3,8 +3,9 @@
 // The interface is PyTorch's: a hook receives a GradBucket holding this
 // rank's gradients (NOT yet divided by the world size) and returns a future
 // of a tensor shaped like the bucket that holds the average. DDP runs hooks
-// on its communication thread, one bucket at a time and in bucket order on
-// every rank, so a hook may wait on its own collectives; see ddp.hpp.
+// as tasks of the ordered collective stream, one bucket at a time and in
+// bucket order on every rank, so a hook may wait on its own collectives; see
+// ddp.hpp and collectives.hpp.
 //
 // Hooks talk to the other ranks only through a Wire. The fp16 wrapper hands
 // the hook it wraps a wire that sends float16, so it composes with any hook
@@ -20,12 +21,10 @@
 #include <string>
 #include <vector>
 
-#include "mnist_ddp/dist.hpp"
+#include "mnist_ddp/collectives.hpp"
 #include "mnist_ddp/options.hpp"
 
 namespace mnist_ddp {
-
-using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
 // A hook's state as named tensors, for checkpoints. Names starting with
 // "rank/" hold this rank's own values; all others are identical on every
@@ -60,8 +59,14 @@ class Wire {
   virtual FuturePtr allreduce_mean(torch::Tensor tensor);
 };
 
-// The wire of a process group. Counts what this rank sends, per element and
-// per byte, as `elements x element size` of each allreduce.
+// What a rank has sent: `elements x element size` of each allreduce.
+struct WireStats {
+  int64_t elements = 0;
+  int64_t bytes = 0;
+};
+
+// The wire of the collective stream's channel, for use inside a task.
+// Counts what it sends into `stats`.
 //
 // Large float16 tensors on CPU go round a ring of point-to-point transfers
 // that adds in float32: Gloo's own allreduce adds float16 one element at a
@@ -69,19 +74,15 @@ class Wire {
 // (PowerSGD's P and Q) stay with Gloo, whose allreduce runs asynchronously.
 class GroupWire : public Wire {
  public:
-  explicit GroupWire(GroupPtr group) : group_(std::move(group)) {}
-  int world_size() const override { return group_->getSize(); }
+  GroupWire(Channel& channel, WireStats& stats) : channel_(channel), stats_(stats) {}
+  int world_size() const override { return channel_.world_size(); }
   FuturePtr allreduce_sum(torch::Tensor tensor) override;
-  int64_t elements_sent() const { return elements_; }
-  int64_t bytes_sent() const { return bytes_; }
 
  private:
   void ring_allreduce(torch::Tensor& tensor);
 
-  GroupPtr group_;
-  int64_t elements_ = 0;
-  int64_t bytes_ = 0;
-  int tag_ = 0;  // point-to-point tags, the same sequence on every rank
+  Channel& channel_;
+  WireStats& stats_;
 };
 
 // Puts float16 on the wire below it: tensors are cast down before and back
@@ -151,10 +152,30 @@ struct PowerSgdState {
   std::map<size_t, torch::Tensor> q_memory;  // bucket -> flat Q, reused when warm-starting
 };
 
+// Note on exact math. What a rank computes from a collective's result and
+// keeps (the averaged gradient, so the parameters) must come out
+// bit-identical on every rank, whatever its thread count, CPU or GPU model.
+// Matrix products and ATen's reductions do not promise that: they split the
+// work, and so the rounding, by thread count and device. Elementwise
+// operations do: IEEE rounds each one exactly. So the math that follows a
+// collective uses elementwise operations only, and its sums are pairwise
+// trees of elementwise adds whose shape depends on the size alone.
+
+// The sum of the rows of `a` [n, k], as [k]: exact in the sense above.
+torch::Tensor exact_row_sum(const torch::Tensor& a);
+
+// out [n, m] = p [n, r] q [m, r]^T: r outer products added in order, exact
+// in the sense above.
+void exact_outer_product(torch::Tensor out, const torch::Tensor& p, const torch::Tensor& q);
+
 // Gram-Schmidt on the columns of `matrix` [n, r], in place. A column of
 // zeros stays zeros (no division by a zero norm); epsilon is added to each
-// norm as PyTorch does.
-void orthogonalize(torch::Tensor& matrix, double epsilon);
+// norm as PyTorch does. `exact` in the sense above, as P after its allreduce
+// needs; Q is orthogonalised before it meets the data, and only the
+// allreduced P = M Q depends on it, so it may take ATen's faster sums (on a
+// GPU, a tree is a dozen kernel launches per column).
+enum class Sums { kExact, kFast };
+void orthogonalize(torch::Tensor& matrix, double epsilon, Sums sums = Sums::kExact);
 
 // What both PowerSGD hooks share: their state, and plain allreduces until
 // start_iter; then compress() averages the bucket in place.

@@ -7,31 +7,26 @@
 // view into its bucket's flat buffer, so no gradient is ever copied.
 //
 // During backward, a hook on each parameter's gradient accumulator marks it
-// ready; a bucket whose gradients are all ready is handed to the
-// communication thread at once, so its communication overlaps the rest of
+// ready; a bucket whose gradients are all ready is posted at once to the
+// rank's ordered collective stream (collectives.hpp), whose thread runs the
+// communication hook on it, so its communication overlaps the rest of
 // backward. When backward ends, DDP waits for every bucket, and the optimizer
 // then sees averaged gradients.
 //
-// Note on order: buckets are launched strictly in index order, and the
-// communication thread runs one hook at a time. Gloo and NCCL match
-// collectives across ranks by the order in which they are issued, so every
-// rank must issue the same collectives in the same order; a hook like
-// PowerSGD issues several per bucket. DDP also talks on a process group of
-// its own, so SyncBatchNorm's backward collectives (issued by autograd on
-// another thread) can never interleave with a hook's.
+// Note on order: buckets are posted strictly in index order, from autograd's
+// thread, between the SyncBatchNorm collectives posted from the same thread;
+// a hook issues all of a bucket's collectives (PowerSGD issues several)
+// within its one task. So every rank issues the same collectives in the same
+// order (see collectives.hpp).
 #pragma once
 
 #include <torch/torch.h>
 #include <torch/csrc/autograd/function.h>
 
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "mnist_ddp/comm_hooks.hpp"
@@ -53,7 +48,7 @@ class DistributedDataParallelImpl : public torch::nn::Module {
   // `module` is registered as "module", so state_dict names read
   // "module.conv1.weight" as in the reference. Blocks until every rank has
   // constructed its DDP (the broadcast). All parameters must be float tensors
-  // on dist.device.
+  // on dist.device. Finishes its communication before it is destroyed.
   DistributedDataParallelImpl(torch::nn::AnyModule module, const Dist& dist, std::unique_ptr<CommHook> hook,
                               double bucket_cap_mb);
   ~DistributedDataParallelImpl() override;
@@ -65,10 +60,17 @@ class DistributedDataParallelImpl : public torch::nn::Module {
   std::shared_ptr<torch::nn::Module> module() const { return module_.ptr(); }
   CommHook& hook() { return *hook_; }
   const CommHook& hook() const { return *hook_; }
-  const GroupWire& wire() const { return *wire_; }
+  // What the hook has put on the wire so far.
+  const WireStats& wire() const { return wire_stats_; }
   // Seconds backward has spent, at its end, waiting for buckets still being
   // communicated: the communication that did not overlap computation.
   double communication_wait_seconds() const { return wait_seconds_; }
+  // Compares every rank's parameters and buffers with rank 0's, bit for bit
+  // (`when` says when, for the message). Throws, on rank 0, a
+  // std::runtime_error naming each differing rank, its largest difference
+  // and the tensor holding it; on the other ranks a PeerLost. Every rank
+  // must call it; it blocks until all have.
+  void check_replicas(const std::string& when);
   // One line per bucket: index, parameters, elements, bytes.
   std::vector<std::string> describe_buckets() const;
   const std::vector<GradBucket>& buckets() const { return buckets_; }
@@ -77,11 +79,12 @@ class DistributedDataParallelImpl : public torch::nn::Module {
   void link_grad(size_t param);
   void mark_ready(size_t param);
   void finalize_backward();
-  void communicate();  // the communication thread's loop
+  void communicate(size_t bucket, Channel& channel);  // a task on the stream
 
   torch::nn::AnyModule module_;
   std::unique_ptr<CommHook> hook_;
-  std::unique_ptr<GroupWire> wire_;
+  std::shared_ptr<Collectives> comm_;
+  WireStats wire_stats_;  // written by the stream's tasks
   torch::Device device_;
   std::vector<torch::Tensor> params_;        // registration order
   std::vector<std::string> param_names_;
@@ -92,20 +95,15 @@ class DistributedDataParallelImpl : public torch::nn::Module {
   // them only weakly.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
 
-  // Per-backward state, guarded by mutex_.
+  // Per-backward state, guarded by mutex_ (autograd may run hooks on
+  // threads of its own).
   std::mutex mutex_;
-  std::condition_variable cv_;
   bool expecting_backward_ = false;
   bool callback_queued_ = false;
   std::vector<int> pending_;       // bucket -> gradients not yet ready
   std::vector<bool> ready_;        // param -> its gradient is ready
-  size_t next_launch_ = 0;         // buckets [0, next_launch_) are launched
-  size_t completed_ = 0;           // buckets whose hook has finished
-  std::deque<size_t> queue_;       // launched, waiting for the communication thread
-  std::exception_ptr error_;
-  bool stopping_ = false;
+  std::vector<Collectives::Ticket> posted_;  // buckets [0, posted_.size()) are on the stream
   double wait_seconds_ = 0;
-  std::thread comm_thread_;
 };
 TORCH_MODULE(DistributedDataParallel);
 

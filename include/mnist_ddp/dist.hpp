@@ -1,35 +1,24 @@
 // The multi-process state of one worker: rendezvous store and process groups.
 //
 // A Dist of world size 1 behaves like any other, so training code never asks
-// whether it is distributed. Rank 0 hosts a c10d TCPStore; groups are
-// c10d::ProcessGroupGloo (CPU) or c10d::ProcessGroupNCCL (CUDA, when LibTorch
-// has it). LibTorch 1.13 calls the group type ProcessGroup, 2.x calls the
-// per-backend type Backend; `Group` names whichever this LibTorch has.
+// whether it is distributed. Rank 0 hosts a c10d TCPStore; the rank's one
+// process group is c10d::ProcessGroupGloo (CPU, or CUDA tensors when ranks
+// share a GPU) or c10d::ProcessGroupNCCL (CUDA, when LibTorch has it), and
+// every collective on it goes through one ordered stream (collectives.hpp).
 #pragma once
 
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/version.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 
-#if TORCH_VERSION_MAJOR >= 2
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#else
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#endif
-
+#include "mnist_ddp/collectives.hpp"
 #include "mnist_ddp/launcher.hpp"
 
 namespace mnist_ddp {
 
-#if TORCH_VERSION_MAJOR >= 2
-using Group = c10d::Backend;
-#else
-using Group = c10d::ProcessGroup;
-#endif
-using GroupPtr = c10::intrusive_ptr<Group>;
 using StorePtr = c10::intrusive_ptr<c10d::Store>;
 using Settings = std::vector<std::pair<std::string, std::string>>;
 
@@ -44,23 +33,13 @@ struct PeerLost : std::runtime_error {
 struct Dist {
   int rank = 0;
   int world_size = 1;
-  int local_rank = 0;
-  int node_rank = 0;
   std::string backend = "gloo";         // "gloo" or "nccl"
   torch::Device device = torch::kCPU;   // where this worker's tensors live
   std::chrono::milliseconds timeout{300'000};
   std::string gloo_address = "127.0.0.1";  // local address Gloo listens on
   StorePtr store;
-  // The main thread's group: SyncBatchNorm, metrics, evaluation. DDP makes
-  // its own (see ddp.hpp) so that the two never interleave collectives.
-  GroupPtr group;
-
-  // A further group over the same ranks, with its own connections and its
-  // own sequence of collectives. Every rank must create its groups in the
-  // same order. Each group gets a store prefix of its own (name and
-  // sequence number): a reused prefix would find a finished group's
-  // addresses.
-  GroupPtr new_group(const std::string& name) const;
+  // The one way to the other ranks: DDP, SyncBatchNorm, metrics, checks.
+  std::shared_ptr<Collectives> comm;
 
   // The ranks whose heartbeat stopped: after a collective failed, who is
   // gone. Watches the store for a few seconds; rank 0 when the store
@@ -69,14 +48,15 @@ struct Dist {
 
  private:
   friend Dist connect(const WorkerEnv&, const Placement&, double, const Settings&);
-  mutable int groups_created_ = 0;
   std::shared_ptr<Heartbeat> heartbeat_;  // every rank beats into the store once a second
 };
 
 // Builds a Dist over an existing store (tests use a HashStore shared by
-// threads). Creates the main group; blocks until every rank has joined.
+// threads; `prefix` keeps groups made over one store apart). Creates the
+// group; blocks until every rank has joined. `backend` "gloo" takes CPU or
+// CUDA tensors, "nccl" CUDA tensors.
 Dist make_dist(StorePtr store, int rank, int world_size, const std::string& backend, torch::Device device,
-               std::chrono::milliseconds timeout);
+               std::chrono::milliseconds timeout, const std::string& prefix = "main");
 
 // Joins the job described by the environment. Rank 0 hosts the TCPStore
 // (reporting its port when asked to); the others connect to it. When the
@@ -88,16 +68,11 @@ Dist make_dist(StorePtr store, int rank, int world_size, const std::string& back
 // never arrives, two nodes with one --node-rank, a setting that differs.
 Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_seconds, const Settings& settings);
 
+// "LibTorch 2.11.0, CUDA 13.0, NCCL 2.28.9, device cuda:0 (NVIDIA H100 ...)":
+// what this binary was built against and runs on.
+std::string describe_runtime(const torch::Device& device);
+
 // Makes `device` current for the calling thread (a no-op on CPU).
 void use_device(const torch::Device& device);
-
-// Blocking collectives; a timeout or a lost peer throws.
-void allreduce_sum(Group& group, at::Tensor& tensor);
-void broadcast(Group& group, at::Tensor& tensor, int root = 0);
-// Every rank's `tensor` (same shape and dtype everywhere) on rank 0, in rank
-// order; an empty list elsewhere. `device` is where the group's tensors live.
-std::vector<at::Tensor> gather_to_rank0(Group& group, const at::Tensor& tensor, const torch::Device& device);
-// Rank 0's `bytes` on every rank.
-void broadcast_bytes(Group& group, std::vector<char>& bytes, const torch::Device& device);
 
 }  // namespace mnist_ddp

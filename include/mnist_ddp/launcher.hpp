@@ -24,13 +24,18 @@ namespace mnist_ddp {
 // Where the local workers run.
 struct Placement {
   std::string backend;       // "nccl" or "gloo"
-  std::vector<int> devices;  // CUDA ids, one per local worker (NCCL); empty for Gloo
+  // CUDA ids, one per local worker; empty: the workers train on the CPU. Under
+  // Gloo an id may repeat: those workers share the GPU.
+  std::vector<int> devices;
   int local_workers = 0;
 };
 
-// Resolves --backend, --gpus and --nproc without initialising CUDA.
-// Throws UsageError for a device that does not exist or NCCL without CUDA.
+// Resolves --backend, --gpus and --nproc without initialising CUDA, for this
+// build and the GPUs visible to it. Throws UsageError for a device that does
+// not exist, NCCL without CUDA, or NCCL with a device listed twice.
 Placement plan_placement(const Options& opts);
+// The same for a build with or without CUDA and `visible_gpus` GPUs.
+Placement plan_placement(const Options& opts, bool cuda_build, int visible_gpus);
 
 // A worker's place in the job, as read from its environment: torchrun's
 // variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK),

@@ -36,13 +36,13 @@ struct Options {
   double lr = 0.01;           // initial learning rate, cosine-annealed to 0 over `epochs`
   double momentum = 0.9;      // SGD momentum
   double weight_decay = 5e-4; // SGD L2 penalty
-  int workers = 4;            // accepted for compatibility: batches are sliced from memory
+  int workers = 4;            // ignored: the reference's loader processes; batches come from memory
   std::string compression = "powersgd_fp16";  // one of kCompressions
   int log_interval = 10;      // batches between two "Train Epoch" lines
   std::string path = "./logging/";  // log file, best model and checkpoints
 
   // --- Placement and rendezvous. ---
-  std::vector<int> gpus;      // CUDA device ids, one worker each; empty: all visible
+  std::vector<int> gpus;      // CUDA device ids, one worker each; empty: all visible; repeats share a GPU (Gloo)
   std::string backend = "auto";   // auto | nccl | gloo
   int nproc = 2;              // worker processes when training on CPU
   int nnodes = 1;             // machines in the job, each running one launcher

@@ -5,32 +5,39 @@
 // input, and the running statistics take the unbiased global variance.
 // Backward: the global sums of dy and dy * x_hat come from ONE allreduce, so
 // the input gradient is exactly that of BatchNorm2d on the concatenated
-// batch; the weight and bias gradients are this rank's share (DDP sums them).
+// batch. The weight and bias gradients are this rank's sums over its own
+// batch: DDP averages them over ranks, as PyTorch's SyncBatchNorm leaves it.
 // Eval: running statistics, no communication. World size 1: BatchNorm2d.
 //
-// Works with CPU tensors on Gloo and CUDA tensors on NCCL. Ranks may hold
-// different batch sizes, including none at all, but every rank must run
-// forward and backward the same number of times.
+// Collectives go through the rank's ordered stream (collectives.hpp): forward
+// blocks the calling thread, backward blocks autograd's, each for one
+// allreduce. Works with CPU or CUDA tensors on Gloo and CUDA tensors on NCCL.
+// The running statistics are computed from the allreduced sums elementwise
+// only, so they stay bit-identical across ranks (see comm_hooks.hpp, "exact
+// math"). Ranks may hold different batch sizes, including none at all, but
+// every rank must run forward and backward the same number of times.
 #pragma once
 
 #include <torch/torch.h>
 
-#include "mnist_ddp/dist.hpp"
+#include <memory>
+
+#include "mnist_ddp/collectives.hpp"
 
 namespace mnist_ddp {
 
 class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
  public:
   // Fresh parameters and statistics, as BatchNorm2d(options) has them.
-  SyncBatchNormImpl(const torch::nn::BatchNormOptions& options, GroupPtr group);
+  SyncBatchNormImpl(const torch::nn::BatchNormOptions& options, std::shared_ptr<Collectives> comm);
   // Takes over `bn`'s parameters and buffers (the same tensors, not copies).
-  SyncBatchNormImpl(const torch::nn::BatchNorm2dImpl& bn, GroupPtr group);
+  SyncBatchNormImpl(const torch::nn::BatchNorm2dImpl& bn, std::shared_ptr<Collectives> comm);
 
   void reset() override;
   torch::Tensor forward(const torch::Tensor& input);
 
   torch::nn::BatchNormOptions options;
-  GroupPtr group;
+  std::shared_ptr<Collectives> comm;
   torch::Tensor weight, bias;                                   // parameters
   torch::Tensor running_mean, running_var, num_batches_tracked;  // buffers
 
@@ -40,11 +47,11 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
 TORCH_MODULE(SyncBatchNorm);
 
 // Replaces every BatchNorm2d in `module`'s tree with a SyncBatchNorm over
-// `group` that holds the same parameters and buffers, so state-dict names and
+// `comm` that holds the same parameters and buffers, so state-dict names and
 // values are unchanged. A parent sees the replacement if it calls its
 // normalisation children through forward_batch_norm() by registered name, as
 // Net does.
-void convert_sync_batchnorm(torch::nn::Module& module, const GroupPtr& group);
+void convert_sync_batchnorm(torch::nn::Module& module, const std::shared_ptr<Collectives>& comm);
 
 // Runs `layer`, a BatchNorm2d or a SyncBatchNorm, on `input`.
 torch::Tensor forward_batch_norm(torch::nn::Module& layer, const torch::Tensor& input);

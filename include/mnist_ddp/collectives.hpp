@@ -1,0 +1,156 @@
+// The ordered collective stream: every collective a rank issues, issued by
+// one thread in one order.
+//
+// Note on order. NCCL and Gloo match collectives across ranks by the order in
+// which each rank issues them on a group; NCCL hangs when two ranks issue the
+// same collectives in different orders. A rank has several threads that want
+// to talk: autograd (SyncBatchNorm's backward, DDP's ready buckets) and the
+// main thread (SyncBatchNorm's forward, metrics, checkpoints). So every
+// collective is a task on one queue, run by one communication thread in the
+// order the tasks were posted. Tasks are posted in program order: forward,
+// then backward in autograd's order (a deterministic function of the graph),
+// then metrics and checks, which is the same on every rank; so the
+// collectives are issued in the same order on every rank, by construction.
+#pragma once
+
+#include <torch/torch.h>
+#include <ATen/core/ivalue.h>
+#include <torch/version.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#else
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#endif
+
+namespace mnist_ddp {
+
+// LibTorch 1.13 calls the group type ProcessGroup, 2.x calls the per-backend
+// type Backend; `Group` names whichever this LibTorch has.
+#if TORCH_VERSION_MAJOR >= 2
+using Group = c10d::Backend;
+#else
+using Group = c10d::ProcessGroup;
+#endif
+using GroupPtr = c10::intrusive_ptr<Group>;
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+
+// The process group as the communication thread sees it. Only tasks of a
+// Collectives (below) touch a Channel, so its calls are never concurrent.
+// When recording, each call appends "kind dtype [sizes]" to the log.
+class Channel {
+ public:
+  Channel(GroupPtr group, torch::Device device, bool nccl);
+
+  int rank() const { return group_->getRank(); }
+  int world_size() const { return group_->getSize(); }
+  // Where this rank's tensors live.
+  const torch::Device& device() const { return device_; }
+
+  // Sums `tensor` over ranks in place; the future completes with it. Runs
+  // asynchronously: several may be in flight, completing in issue order.
+  FuturePtr allreduce_sum(torch::Tensor tensor);
+  // Blocking.
+  void broadcast(torch::Tensor& tensor, int root);
+  // Every rank's `tensor` (same shape and dtype) on rank 0, in rank order, on
+  // the CPU; an empty list elsewhere.
+  std::vector<torch::Tensor> gather_to_rank0(const torch::Tensor& tensor);
+  // Sends `out` to rank `to` while receiving `in` from rank `from`; blocking.
+  void exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from);
+  void barrier();
+
+  std::vector<std::string> log;  // what was issued, while `recording`
+  bool recording = false;
+
+ private:
+  void record(const char* kind, const torch::Tensor& tensor);
+  // Where tensors of the small blocking collectives travel: the device under
+  // NCCL, the CPU under Gloo (whose every collective takes CPU tensors).
+  torch::Device staging() const { return nccl_ ? device_ : torch::Device(torch::kCPU); }
+
+  GroupPtr group_;
+  torch::Device device_;
+  bool nccl_;
+  int tag_ = 0;  // point-to-point tags, the same sequence on every rank
+};
+
+class Collectives {
+ public:
+  using Task = std::function<void(Channel&)>;
+  using Ticket = uint64_t;
+
+  // Starts the communication thread, which makes `device` current for itself.
+  Collectives(GroupPtr group, torch::Device device, bool nccl);
+  // Runs what is still queued, stops the thread, and shuts an NCCL group down.
+  ~Collectives();
+  Collectives(const Collectives&) = delete;
+  Collectives& operator=(const Collectives&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  const torch::Device& device() const { return device_; }
+
+  // Queues `task` behind every task posted before it; never blocks on the
+  // network. Any thread may post.
+  Ticket post(Task task);
+  // Blocks until task `ticket` has run. Rethrows what it threw. Once a task
+  // has failed, later tasks are not run (no further collectives are issued)
+  // and waiting on them rethrows that first failure.
+  void wait(Ticket ticket);
+  // post + wait.
+  void run(const Task& task);
+
+  // Blocking conveniences, one task each.
+  void allreduce_sum(torch::Tensor& tensor);
+  void broadcast(torch::Tensor& tensor, int root = 0);
+  std::vector<torch::Tensor> gather_to_rank0(const torch::Tensor& tensor);
+  // Rank 0's `bytes` on every rank.
+  void broadcast_bytes(std::vector<char>& bytes);
+  void barrier();
+
+  // Test seams. record(): from now on, the channel logs each collective it
+  // issues; recorded() returns that log (call it when no task is queued).
+  // inject_delays(): a random sleep of up to `max` in post() and before each
+  // task, from a generator seeded with `seed`, to shake thread timing.
+  void record();
+  std::vector<std::string> recorded();
+  void inject_delays(uint64_t seed, std::chrono::microseconds max);
+
+ private:
+  void loop();
+  void maybe_delay();
+
+  const int rank_, world_size_;
+  const torch::Device device_;
+  const bool nccl_;
+  GroupPtr group_;
+  Channel channel_;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::pair<Ticket, Task>> queue_;
+  Ticket posted_ = 0;    // tickets [0, posted_) were handed out
+  Ticket finished_ = 0;  // tasks [0, finished_) have run (or were skipped)
+  std::exception_ptr error_;
+  Ticket failed_ = 0;    // the first failed task, when error_ is set
+  bool stopping_ = false;
+  std::chrono::microseconds max_delay_{0};
+  std::mt19937_64 delay_rng_;
+  std::thread thread_;
+};
+
+}  // namespace mnist_ddp

@@ -1,0 +1,203 @@
+#include "mnist_ddp/collectives.hpp"
+
+#ifdef MNIST_DDP_WITH_CUDA
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <sstream>
+
+#include "mnist_ddp/dist.hpp"
+
+namespace mnist_ddp {
+
+Channel::Channel(GroupPtr group, torch::Device device, bool nccl)
+    : group_(std::move(group)), device_(device), nccl_(nccl) {}
+
+void Channel::record(const char* kind, const torch::Tensor& tensor) {
+  if (!recording) return;
+  std::ostringstream s;
+  s << kind << " " << tensor.scalar_type() << " " << tensor.sizes();
+  log.push_back(s.str());
+}
+
+FuturePtr Channel::allreduce_sum(torch::Tensor tensor) {
+  record("allreduce", tensor);
+  std::vector<at::Tensor> tensors{std::move(tensor)};
+  return group_->allreduce(tensors)->getFuture();
+}
+
+void Channel::broadcast(torch::Tensor& tensor, int root) {
+  record("broadcast", tensor);
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  group_->broadcast(tensors, opts)->wait();
+}
+
+std::vector<torch::Tensor> Channel::gather_to_rank0(const torch::Tensor& tensor) {
+  std::vector<at::Tensor> input{tensor.to(staging()).contiguous()};
+  record("gather", input[0]);
+  std::vector<std::vector<at::Tensor>> output;
+  if (rank() == 0) {
+    output.emplace_back();
+    for (int r = 0; r < world_size(); ++r) output[0].push_back(torch::empty_like(input[0]));
+  }
+  c10d::GatherOptions opts;
+  opts.rootRank = 0;
+  group_->gather(output, input, opts)->wait();
+  std::vector<torch::Tensor> out;
+  if (!output.empty())
+    for (auto& t : output[0]) out.push_back(t.cpu());
+  return out;
+}
+
+void Channel::exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from) {
+  record("exchange", out);
+  std::vector<at::Tensor> send{out}, recv{in};
+  const int tag = tag_;
+  tag_ = (tag_ + 1) % (1 << 30);
+  auto sent = group_->send(send, to, tag);
+  group_->recv(recv, from, tag)->wait();
+  sent->wait();
+}
+
+void Channel::barrier() {
+  if (recording) log.emplace_back("barrier");
+  group_->barrier()->wait();
+}
+
+Collectives::Collectives(GroupPtr group, torch::Device device, bool nccl)
+    : rank_(group->getRank()),
+      world_size_(group->getSize()),
+      device_(device),
+      nccl_(nccl),
+      group_(group),
+      channel_(std::move(group), device, nccl) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+Collectives::~Collectives() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+#if defined(MNIST_DDP_WITH_CUDA) && TORCH_VERSION_MAJOR >= 2
+  // LibTorch 2.x warns at exit about an NCCL group nobody shut down.
+  if (nccl_ && !error_) static_cast<c10d::ProcessGroupNCCL&>(*group_).shutdown();
+#endif
+}
+
+void Collectives::maybe_delay() {
+  std::chrono::microseconds pause{0};
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (max_delay_.count() > 0)
+      pause = std::chrono::microseconds(static_cast<int64_t>(delay_rng_() % static_cast<uint64_t>(max_delay_.count())));
+  }
+  if (pause.count() > 0) std::this_thread::sleep_for(pause);
+}
+
+Collectives::Ticket Collectives::post(Task task) {
+  maybe_delay();
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Ticket ticket = posted_++;
+  queue_.emplace_back(ticket, std::move(task));
+  cv_.notify_all();
+  return ticket;
+}
+
+void Collectives::wait(Ticket ticket) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [&] { return finished_ > ticket; });
+  if (error_ && ticket >= failed_) std::rethrow_exception(error_);
+}
+
+void Collectives::run(const Task& task) { wait(post(task)); }
+
+void Collectives::loop() {
+  use_device(device_);
+  for (;;) {
+    std::pair<Ticket, Task> next;
+    bool skip = false;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      next = std::move(queue_.front());
+      queue_.pop_front();
+      skip = error_ != nullptr;
+    }
+    if (!skip) {
+      maybe_delay();
+      try {
+        next.second(channel_);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        error_ = std::current_exception();
+        failed_ = next.first;
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      finished_ = next.first + 1;
+    }
+    cv_.notify_all();
+  }
+}
+
+void Collectives::allreduce_sum(torch::Tensor& tensor) {
+  run([&](Channel& c) { c.allreduce_sum(tensor)->waitAndThrow(); });
+}
+
+void Collectives::broadcast(torch::Tensor& tensor, int root) {
+  run([&](Channel& c) { c.broadcast(tensor, root); });
+}
+
+std::vector<torch::Tensor> Collectives::gather_to_rank0(const torch::Tensor& tensor) {
+  std::vector<torch::Tensor> out;
+  run([&](Channel& c) { out = c.gather_to_rank0(tensor); });
+  return out;
+}
+
+void Collectives::broadcast_bytes(std::vector<char>& bytes) {
+  const torch::Device where = nccl_ ? device_ : torch::Device(torch::kCPU);
+  run([&](Channel& c) {
+    auto size = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64).to(where);
+    c.broadcast(size, 0);
+    const int64_t n = size.cpu().item<int64_t>();
+    auto data = rank_ == 0 ? torch::from_blob(bytes.data(), {n}, torch::kUInt8).to(where, false, /*copy=*/true)
+                           : torch::empty({n}, torch::TensorOptions(torch::kUInt8).device(where));
+    c.broadcast(data, 0);
+    if (rank_ != 0) {
+      const auto cpu = data.cpu();
+      bytes.assign(static_cast<const char*>(cpu.data_ptr()), static_cast<const char*>(cpu.data_ptr()) + n);
+    }
+  });
+}
+
+void Collectives::barrier() {
+  run([](Channel& c) { c.barrier(); });
+}
+
+void Collectives::record() {
+  run([](Channel& c) {
+    c.log.clear();
+    c.recording = true;
+  });
+}
+
+std::vector<std::string> Collectives::recorded() {
+  std::vector<std::string> log;
+  run([&](Channel& c) { log = c.log; });
+  return log;
+}
+
+void Collectives::inject_delays(uint64_t seed, std::chrono::microseconds max) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  delay_rng_.seed(seed);
+  max_delay_ = max;
+}
+
+}  // namespace mnist_ddp

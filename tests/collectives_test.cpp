@@ -1,0 +1,156 @@
+// The ordered collective stream, and the exact math that keeps replicas
+// bit-identical whatever each rank's threads.
+#include <gtest/gtest.h>
+
+#include <atomic>
+
+#include "mnist_ddp/collectives.hpp"
+#include "mnist_ddp/comm_hooks.hpp"
+#include "mnist_ddp/ddp.hpp"
+#include "mnist_ddp/model.hpp"
+#include "mnist_ddp/sync_batch_norm.hpp"
+#include "test_util.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+using test::run_ranks;
+
+PowerSgdOptions start_at(int64_t step) {
+  PowerSgdOptions o;
+  o.start_iter = step;
+  return o;
+}
+
+TEST(Collectives, TasksRunOneAtATimeInTheOrderPosted) {
+  run_ranks(1, [](Dist& dist) {
+    std::vector<int> order;
+    std::atomic<int> inside{0};
+    bool overlapped = false;
+    std::vector<Collectives::Ticket> tickets;
+    dist.comm->inject_delays(1, std::chrono::microseconds(300));
+    for (int i = 0; i < 50; ++i)
+      tickets.push_back(dist.comm->post([&, i](Channel&) {
+        overlapped |= inside.fetch_add(1) != 0;
+        order.push_back(i);
+        inside.fetch_sub(1);
+      }));
+    dist.comm->wait(tickets.back());
+    std::vector<int> expected(50);
+    for (int i = 0; i < 50; ++i) expected[i] = i;
+    EXPECT_EQ(order, expected);
+    EXPECT_FALSE(overlapped);
+  });
+}
+
+TEST(Collectives, AfterAFailedTaskNoLaterTaskRunsAndEachWaitSaysWhy) {
+  run_ranks(1, [](Dist& dist) {
+    bool ran = false;
+    const auto good = dist.comm->post([](Channel&) {});
+    const auto bad = dist.comm->post([](Channel&) { throw std::runtime_error("the peer is gone"); });
+    const auto later = dist.comm->post([&](Channel&) { ran = true; });
+    EXPECT_NO_THROW(dist.comm->wait(good));
+    EXPECT_THROW(dist.comm->wait(bad), std::runtime_error);
+    try {
+      dist.comm->wait(later);
+      ADD_FAILURE() << "a task after a failure passed";
+    } catch (const std::runtime_error& e) {
+      EXPECT_STREQ(e.what(), "the peer is gone");
+    }
+    EXPECT_FALSE(ran);
+  });
+}
+
+// Three ranks train the real Net with SyncBatchNorm for a few steps under
+// every hook, with random delays in every thread that posts or runs a
+// collective (a different seed per rank): each rank records what it issued.
+TEST(CollectiveOrder, EveryRankIssuesTheSameCollectivesInTheSameOrderForEveryHook) {
+  const int world = 3, steps = 4;
+  for (const std::string& name : kCompressions) {
+    std::vector<Net> nets;
+    for (int r = 0; r < world; ++r) nets.emplace_back();
+    torch::manual_seed(11);
+    const auto x = torch::randn({4 * world, 1, 28, 28});
+    const auto y = torch::randint(0, 10, {4 * world}, torch::kInt64);
+    std::vector<std::vector<std::string>> logs(world);
+    run_ranks(world, [&](Dist& dist) {
+      convert_sync_batchnorm(*nets[dist.rank], dist.comm);
+      DistributedDataParallel ddp(torch::nn::AnyModule(nets[dist.rank]), dist, make_comm_hook(name, start_at(2)), 25);
+      torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+      const auto mine = x.slice(0, 4 * dist.rank, 4 * dist.rank + 4);
+      const auto labels = y.slice(0, 4 * dist.rank, 4 * dist.rank + 4);
+      dist.comm->record();
+      dist.comm->inject_delays(1000 + dist.rank, std::chrono::microseconds(1500));
+      for (int step = 0; step < steps; ++step) {
+        opt.zero_grad();
+        const auto loss = torch::nll_loss(ddp->forward(mine), labels);
+        loss.backward();
+        opt.step();
+        auto metric = loss.detach().to(torch::kFloat64).reshape({1});
+        dist.comm->allreduce_sum(metric);  // as the trainer's log line does
+      }
+      dist.comm->inject_delays(0, std::chrono::microseconds(0));
+      logs[dist.rank] = dist.comm->recorded();
+    });
+    for (int r = 1; r < world; ++r) EXPECT_EQ(logs[r], logs[0]) << name << ": rank " << r << " issued another sequence";
+    // Per step: SyncBatchNorm's forward statistics and backward sums of
+    // both layers, at least one collective per bucket, one metric.
+    const auto count = [&](const std::string& entry) {
+      return std::count(logs[0].begin(), logs[0].end(), entry);
+    };
+    EXPECT_EQ(count("allreduce Double [65]"), steps) << name;   // bn1 statistics: 32 sums, 32 squares, count
+    EXPECT_EQ(count("allreduce Double [129]"), steps) << name;  // bn2's
+    EXPECT_EQ(count("allreduce Double [64]"), steps) << name;   // bn1 backward: 32 + 32 sums
+    EXPECT_EQ(count("allreduce Double [1]"), steps) << name;
+    EXPECT_GE(logs[0].size(), static_cast<size_t>(steps * 7)) << name;
+  }
+}
+
+// See comm_hooks.hpp, "exact math".
+TEST(ExactMath, ResultsAreBitIdenticalWhateverTheThreadCount) {
+  torch::manual_seed(12);
+  const auto p = torch::randn({1087, 2}), q = torch::randn({1087, 2});
+  const auto wide = torch::randn({300000, 3});
+  // ATen's own sum of these squares differs in its last bits between 1 and 2
+  // threads (LibTorch 1.13, OpenMP): what the old replica check tripped on.
+  const auto long_column = torch::randn({1200074, 1}, torch::kFloat64).square();
+  const int before = at::get_num_threads();
+  auto compute = [&](int threads) {
+    at::set_num_threads(threads);
+    auto orthonormal = p.clone();
+    orthogonalize(orthonormal, 0);
+    auto product = torch::empty({1087, 1087});
+    exact_outer_product(product, orthonormal, q);
+    return std::vector<torch::Tensor>{orthonormal, product, exact_row_sum(wide), exact_row_sum(product),
+                                      exact_row_sum(long_column)};
+  };
+  const auto one = compute(1);
+  for (int threads : {2, 3, 8}) {
+    const auto many = compute(threads);
+    for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(torch::equal(one[i], many[i])) << threads << " threads, result " << i;
+  }
+  at::set_num_threads(before);
+}
+
+TEST(ExactMath, AgreesWithFloat64MathWithinRounding) {
+  torch::manual_seed(13);
+  for (int64_t n : {1, 2, 3, 7, 64, 1000}) {
+    const auto a = torch::randn({n, 5});
+    EXPECT_LE((exact_row_sum(a).to(torch::kFloat64) - a.to(torch::kFloat64).sum(0)).abs().max().item<double>(), 1e-5 * n)
+        << n << " rows";
+    auto m = torch::randn({n, std::min<int64_t>(n, 3)});
+    orthogonalize(m, 0);
+    const auto gram = torch::mm(m.t().to(torch::kFloat64), m.to(torch::kFloat64));
+    EXPECT_LE((gram - torch::eye(m.size(1), torch::kFloat64)).abs().max().item<double>(), 1e-5) << n << " rows";
+    const auto q = torch::randn({9, m.size(1)});
+    auto out = torch::empty({n, 9});
+    exact_outer_product(out, m, q);
+    EXPECT_LE((out - torch::mm(m, q.t())).abs().max().item<double>(), 1e-5) << n << " rows";
+  }
+  auto zero = torch::zeros({5, 2});
+  orthogonalize(zero, 0);
+  EXPECT_TRUE(torch::equal(zero, torch::zeros({5, 2}))) << "a zero column must stay zero, not NaN";
+}
+
+}  // namespace
+}  // namespace mnist_ddp
