@@ -56,7 +56,6 @@ class TerminalSink : public spdlog::sinks::base_sink<std::mutex> {
   std::string progress_;
 };
 
-bool g_ready = false;
 spdlog::sink_ptr g_file_sink;
 std::shared_ptr<TerminalSink> g_terminal;
 
@@ -91,10 +90,8 @@ void init_logging(const std::string& dir, int rank) {
   logger->set_level(rank == 0 ? spdlog::level::info : spdlog::level::warn);
   logger->flush_on(spdlog::level::info);  // a killed run keeps every line it logged
   spdlog::set_default_logger(logger);
-  g_ready = true;
 }
 
-bool logging_ready() { return g_ready; }
 
 bool progress_shown() { return g_terminal != nullptr; }
 

@@ -17,9 +17,6 @@ namespace mnist_ddp {
 // Throws std::runtime_error naming the file when the log file cannot be opened.
 void init_logging(const std::string& dir, int rank);
 
-// Whether init_logging() has run in this process.
-bool logging_ready();
-
 // Whether show_progress() draws anything in this process.
 bool progress_shown();
 
