@@ -162,8 +162,8 @@ std::vector<torch::Tensor> Collectives::gather_to_rank0(const torch::Tensor& ten
 }
 
 void Collectives::broadcast_bytes(std::vector<char>& bytes) {
-  const torch::Device where = nccl_ ? device_ : torch::Device(torch::kCPU);
   run([&](Channel& c) {
+    const torch::Device where = c.staging();
     auto size = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64).to(where);
     c.broadcast(size, 0);
     const int64_t n = size.cpu().item<int64_t>();

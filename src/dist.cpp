@@ -265,7 +265,7 @@ std::shared_ptr<Collectives> make_collectives(const StorePtr& store, const std::
 }  // namespace
 
 Dist make_dist(StorePtr store, int rank, int world_size, const std::string& backend, torch::Device device,
-               std::chrono::milliseconds timeout, const std::string& prefix) {
+               std::chrono::milliseconds timeout) {
   Dist d;
   d.rank = rank;
   d.world_size = world_size;
@@ -273,7 +273,7 @@ Dist make_dist(StorePtr store, int rank, int world_size, const std::string& back
   d.device = device;
   d.timeout = timeout;
   d.store = std::move(store);
-  d.comm = make_collectives(d.store, prefix, backend, rank, world_size, device, d.gloo_address, timeout);
+  d.comm = make_collectives(d.store, "main", backend, rank, world_size, device, d.gloo_address, timeout);
   return d;
 }
 

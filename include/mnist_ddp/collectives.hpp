@@ -72,15 +72,15 @@ class Channel {
   // Sends `out` to rank `to` while receiving `in` from rank `from`; blocking.
   void exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from);
   void barrier();
+  // Where tensors of the small blocking collectives travel: the device under
+  // NCCL, the CPU under Gloo (whose every collective takes CPU tensors).
+  torch::Device staging() const { return nccl_ ? device_ : torch::Device(torch::kCPU); }
 
   std::vector<std::string> log;  // what was issued, while `recording`
   bool recording = false;
 
  private:
   void record(const char* kind, const torch::Tensor& tensor);
-  // Where tensors of the small blocking collectives travel: the device under
-  // NCCL, the CPU under Gloo (whose every collective takes CPU tensors).
-  torch::Device staging() const { return nccl_ ? device_ : torch::Device(torch::kCPU); }
 
   GroupPtr group_;
   torch::Device device_;

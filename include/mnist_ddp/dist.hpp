@@ -52,11 +52,11 @@ struct Dist {
 };
 
 // Builds a Dist over an existing store (tests use a HashStore shared by
-// threads; `prefix` keeps groups made over one store apart). Creates the
+// threads). Creates the
 // group; blocks until every rank has joined. `backend` "gloo" takes CPU or
 // CUDA tensors, "nccl" CUDA tensors.
 Dist make_dist(StorePtr store, int rank, int world_size, const std::string& backend, torch::Device device,
-               std::chrono::milliseconds timeout, const std::string& prefix = "main");
+               std::chrono::milliseconds timeout);
 
 // Joins the job described by the environment. Rank 0 hosts the TCPStore
 // (reporting its port when asked to); the others connect to it. When the
