@@ -78,4 +78,4 @@ done
   fi
 } >>"$facts"
 mkdir -p bench
-python3 scripts/runlog.py bench "$facts" bench/results.json "$out"/hooks/*/
+python3 scripts/bench_report.py bench "$facts" bench/results.json "$out"/hooks/*/

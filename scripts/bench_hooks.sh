@@ -44,4 +44,4 @@ for round in $(seq 1 "$rounds"); do
     runs+=("$dir")
   done
 done
-python3 scripts/runlog.py hooks "${runs[@]}"
+python3 scripts/bench_report.py hooks "${runs[@]}"

@@ -6,6 +6,7 @@ bash scripts/install_deps.sh
 bash scripts/fetch_data.sh mnist
 bash scripts/build.sh
 cd build
-# One test at a time: the process tests time signals and training runs.
-# Long variants (label slow) run with: cd build && ctest -L slow
-ctest --output-on-failure --timeout 900 --label-exclude slow
+# As many tests at once as there are cores; a test that trains with two
+# worker processes claims two (tests/CMakeLists.txt). Long variants
+# (label slow) run with: cd build && ctest -L slow
+ctest --output-on-failure --timeout 900 --label-exclude slow -j "$(nproc)"

@@ -214,16 +214,14 @@ void save_checkpoint(const std::string& dir, const Checkpoint& c,
 
 bool has_checkpoint(const std::string& dir) { return files::exists(files::join(dir, "manifest")); }
 
-Checkpoint load_checkpoint(const std::string& dir) {
-  const std::string manifest = files::join(dir, "manifest");
-  if (!files::is_directory(dir)) throw CheckpointError(dir + " is not a directory holding a checkpoint");
-  if (!files::exists(manifest)) throw CheckpointError("no checkpoint in " + dir + " (it has no manifest)");
-  std::ifstream in(manifest);
+namespace {
+
+// The manifest's counters and arguments into `c`, its files by role.
+std::map<std::string, ManifestFile> parse_manifest(const std::string& text, const std::string& manifest, Checkpoint& c) {
+  std::istringstream in(text);
   std::string line;
   if (!std::getline(in, line) || line != kFormat)
     throw CheckpointError(manifest + " is not a mnist_ddp checkpoint manifest");
-
-  Checkpoint c;
   std::map<std::string, ManifestFile> files;
   while (std::getline(in, line)) {
     std::istringstream words(line);
@@ -249,19 +247,43 @@ Checkpoint load_checkpoint(const std::string& dir) {
     }
     if (words.fail() && key != "arg") throw CheckpointError(manifest + ": cannot read the line '" + line + "'");
   }
-  for (const std::string role : {"model", "training"}) {
+  for (const std::string role : {"model", "training"})
     if (!files.count(role)) throw CheckpointError(manifest + " names no " + role + " file");
-    const ManifestFile& f = files[role];
+  return files;
+}
+
+}  // namespace
+
+CheckpointFiles read_checkpoint_files(const std::string& dir) {
+  const std::string manifest = files::join(dir, "manifest");
+  if (!files::is_directory(dir)) throw CheckpointError(dir + " is not a directory holding a checkpoint");
+  if (!files::exists(manifest)) throw CheckpointError("no checkpoint in " + dir + " (it has no manifest)");
+  CheckpointFiles out;
+  out.dir = dir;
+  out.manifest = read_bytes(manifest);
+  Checkpoint counters;
+  for (const auto& [role, f] : parse_manifest(std::string(out.manifest.begin(), out.manifest.end()), manifest, counters)) {
     const std::string path = files::join(dir, f.name);
     if (!files::exists(path)) throw CheckpointError("checkpoint file " + path + " is missing");
-    const std::vector<char> bytes = read_bytes(path);
+    std::vector<char> bytes = read_bytes(path);
     if (bytes.size() != f.size)
       throw CheckpointError("checkpoint file " + path + " is truncated (" + std::to_string(bytes.size()) + " of " +
                             std::to_string(f.size) + " bytes)");
     if (crc_of(bytes) != f.crc) throw CheckpointError("checkpoint file " + path + " is corrupt (CRC32 mismatch)");
-    (role == std::string("model") ? c.model : c.training) = deserialize(bytes, "checkpoint file " + path);
+    (role == "model" ? out.model : out.training) = std::move(bytes);
   }
+  return out;
+}
+
+Checkpoint parse_checkpoint(const CheckpointFiles& f) {
+  Checkpoint c;
+  const std::string manifest = files::join(f.dir, "manifest");
+  const auto named = parse_manifest(std::string(f.manifest.begin(), f.manifest.end()), manifest, c);
+  c.model = deserialize(f.model, "checkpoint file " + files::join(f.dir, named.at("model").name));
+  c.training = deserialize(f.training, "checkpoint file " + files::join(f.dir, named.at("training").name));
   return c;
 }
+
+Checkpoint load_checkpoint(const std::string& dir) { return parse_checkpoint(read_checkpoint_files(dir)); }
 
 }  // namespace mnist_ddp

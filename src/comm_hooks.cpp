@@ -132,26 +132,29 @@ void PowerSgdState::finish_step() { ++iter; }
 
 HookState PowerSgdState::save() const {
   HookState s;
-  s["iter"] = torch::tensor(iter, torch::kInt64);
-  s["draws"] = torch::tensor(static_cast<int64_t>(draws), torch::kInt64);
-  for (const auto& [b, t] : error) s["rank/error/" + std::to_string(b)] = t.detach().cpu().clone();
-  for (const auto& [b, t] : p_memory) s["p/" + std::to_string(b)] = t.detach().cpu().clone();
-  for (const auto& [b, t] : q_memory) s["q/" + std::to_string(b)] = t.detach().cpu().clone();
+  s.shared["iter"] = torch::tensor(iter, torch::kInt64);
+  s.shared["draws"] = torch::tensor(static_cast<int64_t>(draws), torch::kInt64);
+  for (const auto& [b, t] : p_memory) s.shared["p/" + std::to_string(b)] = t.detach().cpu().clone();
+  for (const auto& [b, t] : q_memory) s.shared["q/" + std::to_string(b)] = t.detach().cpu().clone();
+  for (const auto& [b, t] : error) s.own["error/" + std::to_string(b)] = t.detach().cpu().clone();
   return s;
 }
 
 void PowerSgdState::load(const HookState& s) {
-  iter = s.at("iter").item<int64_t>();
-  draws = static_cast<uint64_t>(s.at("draws").item<int64_t>());
+  iter = s.shared.at("iter").item<int64_t>();
+  draws = static_cast<uint64_t>(s.shared.at("draws").item<int64_t>());
   error.clear();
   p_memory.clear();
   q_memory.clear();
-  for (const auto& [key, t] : s) {
-    for (auto [prefix, memory] : {std::pair{"rank/error/", &error}, {"p/", &p_memory}, {"q/", &q_memory}}) {
-      const std::string pre = prefix;
-      if (key.compare(0, pre.size(), pre) == 0) (*memory)[std::stoul(key.substr(pre.size()))] = t.clone();
-    }
-  }
+  // Memories by bucket index: "<what>/<bucket>".
+  auto by_bucket = [](const std::map<std::string, torch::Tensor>& from, const std::string& what,
+                      std::map<size_t, torch::Tensor>& to) {
+    for (const auto& [key, t] : from)
+      if (key.compare(0, what.size() + 1, what + "/") == 0) to[std::stoul(key.substr(what.size() + 1))] = t.clone();
+  };
+  by_bucket(s.shared, "p", p_memory);
+  by_bucket(s.shared, "q", q_memory);
+  by_bucket(s.own, "error", error);
 }
 
 torch::Tensor exact_row_sum(const torch::Tensor& a) {

@@ -386,16 +386,21 @@ Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_se
   return d;
 }
 
-std::string describe_runtime(const torch::Device& device) {
-  std::string out = std::string("LibTorch ") + TORCH_VERSION;
+Runtime runtime_of(const torch::Device& device) {
+  Runtime r;
+  r.libtorch = TORCH_VERSION;
+  r.device = device.str();
 #ifdef MNIST_DDP_WITH_CUDA
-  out += ", CUDA " + std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10) +
-         ", NCCL " + c10d::getNcclVersion();
-  if (device.is_cuda()) out += ", device " + device.str() + " (" + at::cuda::getDeviceProperties(device.index())->name + ")";
-#else
-  out += " (CPU only: no CUDA, no NCCL)";
+  r.cuda = std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
+  r.nccl = c10d::getNcclVersion();
+  if (device.is_cuda()) r.device += std::string(" (") + at::cuda::getDeviceProperties(device.index())->name + ")";
 #endif
-  return out;
+  return r;
+}
+
+std::string Runtime::describe() const {
+  if (cuda.empty()) return "LibTorch " + libtorch + " (CPU only: no CUDA, no NCCL)";
+  return "LibTorch " + libtorch + ", CUDA " + cuda + ", NCCL " + nccl + ", device " + device;
 }
 
 void use_device(const torch::Device& device) {

@@ -9,7 +9,7 @@
 
 #include "mnist_ddp/launcher.hpp"
 #include "mnist_ddp/options.hpp"
-#include "mnist_ddp/trainer.hpp"
+#include "mnist_ddp/worker.hpp"
 
 int main(int argc, char** argv) {
   using namespace mnist_ddp;

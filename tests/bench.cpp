@@ -30,7 +30,7 @@
 #include "mnist_ddp/files.hpp"
 #include "mnist_ddp/model.hpp"
 #include "mnist_ddp/sync_batch_norm.hpp"
-#include "mnist_ddp/trainer.hpp"
+#include "mnist_ddp/worker.hpp"
 
 namespace mnist_ddp {
 namespace {

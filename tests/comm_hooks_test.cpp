@@ -8,11 +8,9 @@
 namespace mnist_ddp {
 namespace {
 
-using test::run_ranks;
+using test::max_abs_diff;
 
-double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
-  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
-}
+using test::run_ranks;
 
 // A bucket over fresh storage whose gradients have the given shapes.
 GradBucket make_bucket(const std::vector<std::vector<int64_t>>& shapes, size_t index = 0, bool is_last = true) {
@@ -198,7 +196,7 @@ TEST(PowerSgd, ErrorFeedbackLosesNothingOverSteps) {
       sum += run_hook(hook, bucket, wire).to(torch::kFloat64);
     }
     applied[dist.rank] = sum;
-    errors[dist.rank] = hook.state().at("rank/error/0").to(torch::kFloat64);
+    errors[dist.rank] = hook.state().own.at("error/0").to(torch::kFloat64);
   });
   for (int r = 1; r < world; ++r) EXPECT_TRUE(torch::equal(applied[r], applied[0]));
   const auto mean_error = (errors[0] + errors[1] + errors[2]) / world;

@@ -9,6 +9,8 @@
 namespace mnist_ddp {
 namespace {
 
+using test::max_abs_diff;
+
 using test::run_ranks;
 
 // No BatchNorm and no dropout: per-rank batches give the same gradients as
@@ -23,10 +25,6 @@ struct SmallNetImpl : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
 };
 TORCH_MODULE(SmallNet);
-
-double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
-  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
-}
 
 TEST(BucketAssignment, ClosesABucketOnceItReachesItsCap) {
   using Buckets = std::vector<std::vector<size_t>>;

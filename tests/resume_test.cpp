@@ -19,6 +19,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using test::eventually;
+using test::max_abs_diff;
 using test::Process;
 using test::read_text;
 using test::TempDir;
@@ -58,13 +59,6 @@ std::vector<std::string> metrics_rows(const std::string& file, const std::string
     rows.push_back(line.substr(0, comma) + line.substr(line.find(',', comma)));
   }
   return rows;
-}
-
-double max_abs_diff(const TensorDict& a, const TensorDict& b) {
-  double worst = 0;
-  for (const auto& item : a)
-    worst = std::max(worst, (item.value().to(torch::kFloat64) - b.at(item.key()).to(torch::kFloat64)).abs().max().item<double>());
-  return worst;
 }
 
 TEST(Resume, StraightAndInterruptedRunsEndIdentical) {

@@ -11,12 +11,9 @@
 namespace mnist_ddp {
 namespace {
 
-using test::run_ranks;
+using test::max_abs_diff;
 
-double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
-  if (a.numel() == 0) return 0;
-  return (a.cpu().to(torch::kFloat64) - b.cpu().to(torch::kFloat64)).abs().max().item<double>();
-}
+using test::run_ranks;
 
 struct Case {
   std::vector<int64_t> batch_sizes;  // one per rank; they may differ, and be 0

@@ -27,12 +27,14 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <zlib.h>
 
 #include "mnist_ddp/dist.hpp"
 #include "mnist_ddp/files.hpp"
+#include "mnist_ddp/report.hpp"
 
 namespace mnist_ddp::test {
 
@@ -81,6 +83,19 @@ class TempDir {
 };
 
 // True for a regular file (or a link to one).
+// The largest elementwise difference, in float64, on the CPU; 0 for empty tensors.
+inline double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  if (a.numel() == 0) return 0;
+  return (a.cpu().to(torch::kFloat64) - b.cpu().to(torch::kFloat64)).abs().max().item<double>();
+}
+
+// The same over every entry of `a`, each compared with `b`'s of that name.
+inline double max_abs_diff(const c10::Dict<std::string, torch::Tensor>& a, const c10::Dict<std::string, torch::Tensor>& b) {
+  double worst = 0;
+  for (const auto& item : a) worst = std::max(worst, max_abs_diff(item.value(), b.at(item.key())));
+  return worst;
+}
+
 inline bool is_regular_file(const std::string& path) {
   struct stat st;
   return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
@@ -169,12 +184,34 @@ inline void write_synthetic_mnist(const std::string& data_dir, int train, int te
   }
 }
 
+// The first `train` and `test` images of the MNIST in `from_dir` (what
+// scripts/fetch_data.sh fetched), written as a dataset of their own under
+// <to_dir>/MNIST/raw: real digits, small enough for a test to train on.
+inline void write_mnist_subset(const std::string& from_dir, const std::string& to_dir, int train, int test) {
+  for (auto [name, n] : {std::pair<std::string, int>{"train", train}, {"t10k", test}}) {
+    for (auto [kind, header, record] : {std::tuple<std::string, size_t, size_t>{"images-idx3", 16, 784}, {"labels-idx1", 8, 1}}) {
+      const std::string file = "/MNIST/raw/" + name + "-" + kind + "-ubyte.gz";
+      gzFile f = gzopen((from_dir + file).c_str(), "rb");
+      ASSERT_NE(f, nullptr) << from_dir + file << ": run bash scripts/fetch_data.sh mnist";
+      std::string bytes(header + static_cast<size_t>(n) * record, '\0');
+      const int got = gzread(f, bytes.data(), static_cast<unsigned>(bytes.size()));
+      gzclose(f);
+      ASSERT_EQ(got, static_cast<int>(bytes.size())) << from_dir + file << " holds fewer than " << n << " images";
+      for (int i = 0; i < 4; ++i) bytes[4 + i] = static_cast<char>((static_cast<uint32_t>(n) >> (24 - 8 * i)) & 0xFF);
+      write_file(to_dir + file, bytes, true);
+    }
+  }
+}
+
 inline std::string read_text(const std::string& path) {
   std::ifstream in(path);
   std::stringstream s;
   s << in.rdbuf();
   return s.str();
 }
+
+// A run's <path>/summary.json.
+inline Json read_summary(const std::string& path) { return Json::parse(read_text(path + "/summary.json")); }
 
 // A child process running the mnist_ddp binary (or, with `command`, any
 // program found on PATH), its output going to a file.

@@ -54,8 +54,21 @@ void save_checkpoint(const std::string& dir, const Checkpoint& checkpoint,
 // Whether `dir` holds a manifest.
 bool has_checkpoint(const std::string& dir);
 
-// Reads `dir`'s checkpoint and verifies every file against the manifest.
-// Throws CheckpointError saying what is wrong and what to do.
+// A checkpoint's files as they are on disk: what rank 0 reads and sends to
+// the other ranks, so that every rank parses the same bytes.
+struct CheckpointFiles {
+  std::string dir;
+  std::vector<char> manifest, model, training;
+};
+
+// Reads `dir`'s manifest and the files it names, verifying each against the
+// manifest's size and CRC32. Throws CheckpointError saying what is wrong.
+CheckpointFiles read_checkpoint_files(const std::string& dir);
+
+// Parses files read by read_checkpoint_files. Throws CheckpointError.
+Checkpoint parse_checkpoint(const CheckpointFiles& files);
+
+// read_checkpoint_files, then parse_checkpoint.
 Checkpoint load_checkpoint(const std::string& dir);
 
 // Writes `bytes` to a temporary file beside `path`, flushes it to disk and

@@ -26,10 +26,12 @@
 
 namespace mnist_ddp {
 
-// A hook's state as named tensors, for checkpoints. Names starting with
-// "rank/" hold this rank's own values; all others are identical on every
-// rank.
-using HookState = std::map<std::string, torch::Tensor>;
+// A hook's state between steps, as named tensors, for checkpoints.
+struct HookState {
+  std::map<std::string, torch::Tensor> shared;  // identical on every rank
+  std::map<std::string, torch::Tensor> own;     // this rank's alone (PowerSGD's error feedback)
+  bool empty() const { return shared.empty() && own.empty(); }
+};
 
 struct GradBucket {
   size_t index = 0;     // position in launch order

@@ -68,9 +68,16 @@ Dist make_dist(StorePtr store, int rank, int world_size, const std::string& back
 // never arrives, two nodes with one --node-rank, a setting that differs.
 Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_seconds, const Settings& settings);
 
-// "LibTorch 2.11.0, CUDA 13.0, NCCL 2.28.9, device cuda:0 (NVIDIA H100 ...)":
-// what this binary was built against and runs on.
-std::string describe_runtime(const torch::Device& device);
+// What this binary was built against and runs on.
+struct Runtime {
+  std::string libtorch;  // "2.11.0"
+  std::string cuda;      // "13.0"; "" without CUDA
+  std::string nccl;      // "2.28.9"; "" without CUDA
+  std::string device;    // "cuda:0 (NVIDIA H100 80GB HBM3)", "cpu"
+  // "LibTorch 2.11.0, CUDA 13.0, NCCL 2.28.9, device cuda:0 (NVIDIA H100 ...)"
+  std::string describe() const;
+};
+Runtime runtime_of(const torch::Device& device);
 
 // Makes `device` current for the calling thread (a no-op on CPU).
 void use_device(const torch::Device& device);

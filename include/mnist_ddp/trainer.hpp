@@ -1,24 +1,63 @@
-// One worker's run, from rendezvous to the last epoch.
+// One worker's training run, once it has joined the job: the reference's
+// loop (train an epoch, test, checkpoint) over our DDP, SyncBatchNorm and
+// communication hook.
+//
+// Everything runs on the calling thread, and every call below talks to the
+// other ranks through the collective stream: every rank constructs a Trainer
+// and calls run() together.
 #pragma once
 
-#include "mnist_ddp/launcher.hpp"
+#include <torch/torch.h>
+
+#include <memory>
+#include <optional>
+
+#include "mnist_ddp/data.hpp"
+#include "mnist_ddp/ddp.hpp"
+#include "mnist_ddp/dist.hpp"
+#include "mnist_ddp/model.hpp"
 #include "mnist_ddp/options.hpp"
+#include "mnist_ddp/report.hpp"
+#include "mnist_ddp/resume.hpp"
 
 namespace mnist_ddp {
 
-// What the launcher checks before it starts any worker, so that a missing
-// dataset or an unusable --path is one message, not one per worker. Creates
-// --path. Throws DataError or std::runtime_error.
-void preflight(const Options& opts);
+class Trainer {
+ public:
+  // Loads the data, builds the model, DDP and the optimizer, and resumes
+  // from the checkpoint --resume names. Logs the reference's start-up lines.
+  Trainer(const Options& opts, Dist& dist);
+  // Trains to --epochs (or --max-steps), then reports and waits for every rank.
+  void run();
 
-// Sets up a worker process before its first tensor: intra-op threads that
-// share the cores among `local_workers` processes (unless OMP_NUM_THREADS
-// says otherwise), and an allocator that keeps freed memory for reuse.
-void configure_worker_process(int local_workers);
+ private:
+  EpochReport train_epoch(int64_t epoch);
+  // One step on the batch; returns the loss, still on the device.
+  torch::Tensor step(const torch::Tensor& x, const torch::Tensor& y, torch::Tensor& output);
+  void log_train(EpochReport& report, int64_t batch, int64_t batches, const torch::Tensor& loss,
+                 const torch::Tensor& output, const torch::Tensor& labels);
+  void evaluate(EpochReport& report);
+  void save_checkpoint();
+  void finish();
+  bool max_steps_reached() const { return opts_.max_steps > 0 && at_.step >= opts_.max_steps; }
+  TrainingParts parts() { return {*optimizer_, ddp_->named_parameters(), ddp_->hook()}; }
 
-// Runs this process as the worker `env` describes. Returns the exit code:
-// 0, 2 for a usage error, 1 for any other error, which is reported as one
-// line first.
-int run_worker(const Options& opts, const WorkerEnv& env);
+  const Options& opts_;
+  Dist& dist_;
+  Dataset train_, test_;
+  DistributedSampler sampler_;
+  torch::Tensor test_indices_;
+  Net net_;
+  DistributedDataParallel ddp_{nullptr};
+  std::unique_ptr<torch::optim::SGD> optimizer_;
+  Position at_;
+  StepStats stats_;
+  int replica_checks_ = 0;
+  std::optional<MetricsFile> metrics_;  // rank 0
+  std::optional<RunSummary> summary_;   // rank 0
+  // Since the last metrics row: when, how many images (all ranks), steps and bytes.
+  std::chrono::steady_clock::time_point row_time_;
+  int64_t row_images_ = 0, row_steps_ = 0, row_bytes_ = 0;
+};
 
 }  // namespace mnist_ddp

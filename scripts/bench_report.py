@@ -1,52 +1,39 @@
 #!/usr/bin/env python3
-"""Reads mnist_ddp's own log lines back into numbers, for the bench scripts.
+"""The bench scripts' tables, from the summary.json that each run writes.
 
-    python3 scripts/runlog.py hooks RUN_DIR...   prints the hooks table
-    python3 scripts/runlog.py bench FACTS JSON RUN_DIR...
+    python3 scripts/bench_report.py hooks RUN_DIR...   prints the hooks table
+    python3 scripts/bench_report.py bench FACTS JSON RUN_DIR...
         prints scripts/bench.sh's table and writes its figures to JSON
 
-Each RUN_DIR is one run's --path (its mnist_train.log); runs of the same
---compression are repeats, summarised by their median. FACTS holds
-scripts/bench.sh's other measurements, one "key=value" per line.
+Each RUN_DIR is one run's --path; runs of the same --compression are
+repeats, summarised by their median. FACTS holds scripts/bench.sh's other
+measurements, one "key=value" per line.
 """
 import json
 import os
-import re
 import statistics
 import sys
-
-PATTERNS = {
-    "compression": re.compile(r"\| compression: (\S+)"),
-    "training": re.compile(
-        r"Training: (\d+) steps in ([\d.]+) s, ([\d.]+) images/s, ([\d.]+) ms/step \(forward ([\d.]+), "
-        r"backward ([\d.]+) of which ([\d.]+) waiting on communication, optimizer ([\d.]+)\)"),
-    "wire": re.compile(r"Compression: \S+ (\d+) bytes/step on the wire, ([\d.]+)x less than none"),
-    "test": re.compile(r"Test Epoch: \d+: Average loss: ([\d.]+), Top 1 Acc: ([\d.]+)%"),
-    "startup": re.compile(r"Startup: first step ([\d.]+) s after launch"),
-}
 
 
 def parse(run_dir):
     """The numbers of one run: steps, images/s, ms/step and its parts, bytes/step, top-1."""
-    with open(os.path.join(run_dir, "mnist_train.log")) as f:
-        text = f.read()
-    run = {}
-    if m := PATTERNS["compression"].search(text):
-        run["compression"] = m.group(1)
-    if m := PATTERNS["training"].search(text):
-        keys = ["steps", "seconds", "images_per_s", "ms_per_step", "forward_ms", "backward_ms", "waiting_ms",
-                "optimizer_ms"]
-        run.update({k: float(v) for k, v in zip(keys, m.groups())})
-    if m := PATTERNS["wire"].search(text):
-        run["bytes_per_step"], run["ratio_to_none"] = int(m.group(1)), float(m.group(2))
-    tests = PATTERNS["test"].findall(text)
-    if tests:
-        run["test_loss"], run["top1"] = float(tests[-1][0]), float(tests[-1][1])
-    if m := PATTERNS["startup"].search(text):
-        run["startup_s"] = float(m.group(1))
-    missing = {"compression", "images_per_s", "bytes_per_step", "top1"} - run.keys()
-    if missing:
-        sys.exit(f"runlog: {run_dir}: no {', '.join(sorted(missing))} in mnist_train.log (did the run fail?)")
+    path = os.path.join(run_dir, "summary.json")
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"bench_report: {path}: {e} (did the run fail?)")
+    if not summary.get("finished") or not summary.get("epochs"):
+        sys.exit(f"bench_report: {path}: the run did not finish")
+    run = {"compression": summary["arguments"]["compression"], "startup_s": summary["startup_s"]}
+    training = summary["training"]
+    for key in ["steps", "seconds", "images_per_s", "ms_per_step", "forward_ms", "backward_ms", "waiting_ms",
+                "optimizer_ms"]:
+        run[key] = training[key]
+    run["bytes_per_step"] = summary["compression"]["bytes_per_step"]
+    run["ratio_to_none"] = summary["compression"]["ratio_to_none"]
+    last = summary["epochs"][-1]["test"]
+    run["test_loss"], run["top1"] = last["loss"], last["top1"]
     return run
 
 

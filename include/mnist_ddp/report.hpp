@@ -1,0 +1,136 @@
+// What a run reports besides its log lines, all on rank 0 and all on the
+// calling thread, none of it blocking on other ranks:
+//   <path>/metrics.csv   a row per logged training step and per test pass,
+//                        flushed as it is written, for plots;
+//   <path>/summary.json  the run as data (README, "summary.json"), rewritten
+//                        atomically after every epoch and at the end, for
+//                        scripts and tests: numbers at full precision, never
+//                        read back from the log;
+//   the progress line    under the log on a terminal (logging.hpp).
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace mnist_ddp {
+
+// A JSON value: null, bool, number, string, array or object (keys kept in
+// insertion order). Enough to write summary.json and to read it back.
+class Json {
+ public:
+  Json() = default;
+  Json(bool b) : kind_(Kind::kBool), number_(b) {}
+  Json(double x) : kind_(Kind::kNumber), number_(x) {}
+  Json(int x) : Json(static_cast<double>(x)) {}
+  Json(int64_t x) : Json(static_cast<double>(x)) {}
+  Json(std::string s) : kind_(Kind::kString), text_(std::move(s)) {}
+  Json(const char* s) : Json(std::string(s)) {}
+  static Json array() { return Json(Kind::kArray); }
+  static Json object() { return Json(Kind::kObject); }
+
+  // Parses `text`; throws std::runtime_error saying where it stops making sense.
+  static Json parse(const std::string& text);
+
+  bool is_null() const { return kind_ == Kind::kNull; }
+  double number() const;
+  const std::string& string() const;
+  bool boolean() const;
+  // Object member `key`, created (null) when absent.
+  Json& operator[](const std::string& key);
+  // Object member `key`; throws std::out_of_range naming it when absent.
+  const Json& at(const std::string& key) const;
+  bool contains(const std::string& key) const;
+  // Array element; throws std::out_of_range.
+  const Json& at(size_t i) const;
+  size_t size() const;  // of an array or object
+  void push_back(Json value);
+  const std::vector<std::pair<std::string, Json>>& members() const;
+
+  // Two-space indented, numbers with 17 significant digits (exact doubles).
+  std::string dump() const;
+
+ private:
+  enum class Kind { kNull, kBool, kNumber, kString, kArray, kObject };
+  explicit Json(Kind kind) : kind_(kind) {}
+  void expect(Kind kind, const char* what) const;
+  void write(std::string& out, int indent) const;
+
+  Kind kind_ = Kind::kNull;
+  double number_ = 0;
+  std::string text_;
+  std::vector<Json> items_;
+  std::vector<std::pair<std::string, Json>> members_;
+};
+
+// <path>/metrics.csv on rank 0. A resumed run keeps the rows up to the step
+// it resumes from.
+class MetricsFile {
+ public:
+  static constexpr const char* kHeader = "epoch,step,split,loss,top1,top5,lr,images_per_s,wire_bytes_per_step";
+
+  // `resumed_step` < 0: a fresh run, the file starts empty.
+  MetricsFile(const std::string& file, int64_t resumed_step);
+  void train(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr, double images_per_s,
+             double bytes_per_step);
+  void test(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr);
+
+ private:
+  std::ofstream out_;
+};
+
+// "Epoch 3 [=======>            ] 640/1875  1234 images/s  loss 0.2345  ETA 1:05"
+std::string progress_line(int64_t epoch, int64_t done, int64_t total, double images_per_s, double loss,
+                          double eta_seconds);
+
+// Where the training steps' time went, and what they sent: this run's
+// steps only, not those before the checkpoint it resumed from.
+struct StepStats {
+  int64_t steps = 0;
+  int64_t images = 0;  // over all ranks
+  double seconds = 0, forward = 0, backward = 0, waiting = 0, optimizer = 0;
+  int64_t wire_bytes = 0;        // all steps
+  int64_t compressed_steps = 0;  // once the hook compressed fully...
+  int64_t compressed_bytes = 0;  // ...and what those steps sent
+  int64_t compression_started_at = -1;  // the step it started at; -1: not in this run
+
+  // Bytes on the wire per step once compression started; if it never did,
+  // over every step (what the plain allreduce sends).
+  double bytes_per_step() const;
+};
+
+// A training epoch's (or, cut short by --max-steps, part epoch's) figures.
+struct EpochReport {
+  int64_t epoch = 0;
+  int64_t steps = 0;    // steps of this epoch trained in this run
+  int64_t end_step = 0; // the global step count when it ended
+  double seconds = 0;
+  double images_per_s = 0;
+  double lr = 0;
+  int64_t wire_bytes_per_step = 0;
+  double train_loss = 0, train_top1 = 0, train_top5 = 0;  // the last logged step's, averaged over ranks
+  double test_loss = 0, test_top1 = 0, test_top5 = 0;     // the whole test set
+};
+
+// summary.json: starts with what is known at start-up, gains an entry per
+// epoch, ends with the step-time split and the compression figures. Rank 0
+// holds one; write() replaces the file atomically.
+class RunSummary {
+ public:
+  // A resumed run (`resumed_epoch` >= 0) keeps the earlier run's epochs
+  // before `resumed_epoch` from the summary.json already in `path`.
+  RunSummary(const std::string& path, Json head, int64_t resumed_epoch);
+  void set(const std::string& key, Json value) { root_[key] = std::move(value); }
+  void add_epoch(const EpochReport& e, double best_test_top1);
+  void finish(const StepStats& s, int64_t uncompressed_bytes_per_step, const std::string& hook, int world_size,
+              int replica_checks);
+  void write() const;
+
+ private:
+  std::string file_;
+  Json root_ = Json::object();
+};
+
+}  // namespace mnist_ddp
