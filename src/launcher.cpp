@@ -33,54 +33,6 @@ constexpr auto kCauseWait = std::chrono::seconds(3);    // for the cause behind 
   throw std::runtime_error(what + ": " + std::strerror(errno));
 }
 
-// GPUs a CUDA process would see, counted without initialising CUDA: the
-// entries of CUDA_VISIBLE_DEVICES (up to the first invalid one, as CUDA reads
-// it) or else the /dev/nvidiaN device files. A worker checks its device
-// against CUDA's own count before using it.
-int visible_gpu_count() {
-  int present = 0;
-  for (const std::string& name : files::list_directory("/dev")) {
-    if (name.size() > 6 && name.compare(0, 6, "nvidia") == 0 &&
-        std::all_of(name.begin() + 6, name.end(), ::isdigit))
-      ++present;
-  }
-  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-  if (!visible) return present;
-  int listed = 0;
-  std::string list = visible;
-  for (size_t start = 0; start <= list.size();) {
-    size_t end = list.find(',', start);
-    if (end == std::string::npos) end = list.size();
-    const std::string item = list.substr(start, end - start);
-    if (item.empty() || item[0] == '-') break;
-    ++listed;
-    start = end + 1;
-  }
-  return std::min(listed, present);
-}
-
-bool built_with_cuda() {
-#ifdef MNIST_DDP_WITH_CUDA
-  return true;
-#else
-  return false;
-#endif
-}
-
-int env_int(const char* name, std::optional<int> fallback) {
-  const char* value = std::getenv(name);
-  if (!value || !*value) {
-    if (fallback) return *fallback;
-    throw UsageError(std::string("environment variable ") + name + " is not set");
-  }
-  char* end = nullptr;
-  errno = 0;
-  const long v = std::strtol(value, &end, 10);
-  if (errno || *end || v < 0 || v > 1 << 30)
-    throw UsageError(std::string("environment variable ") + name + "='" + value + "' is not a non-negative integer");
-  return static_cast<int>(v);
-}
-
 std::string describe_status(int status) {
   if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
   if (WIFSIGNALED(status)) {
@@ -96,11 +48,11 @@ int exit_code_of(int status) {
   return 1;
 }
 
-// A worker's reported error; `echo` when it only follows from another's.
-struct Report {
-  std::string message;
-  bool echo = false;
-};
+size_t env_count() {
+  size_t n = 0;
+  while (environ[n]) ++n;
+  return n;
+}
 
 struct Worker {
   int rank = 0;  // local rank: its place on this node
@@ -157,36 +109,17 @@ class Launcher {
   // Builds everything the child needs before fork: after fork only
   // async-signal-safe calls are made.
   void spawn(Worker& w, int port, int report_fd) {
-    std::vector<std::string> env;
-    for (char** e = environ; *e; ++e) {
-      const std::string kv = *e;
-      const std::string key = kv.substr(0, kv.find('='));
-      static const std::set<std::string> ours = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                                 "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "MNIST_DDP_NNODES",
-                                                 "MNIST_DDP_PORT_FD", "MNIST_DDP_ERROR_FD"};
-      if (!ours.count(key)) env.push_back(kv);
-    }
-    const int n = static_cast<int>(workers_.size());
-    // No RANK or WORLD_SIZE: the workers of all nodes agree on them through
-    // the store, so no node needs to know how many workers the others run.
-    env.push_back("LOCAL_RANK=" + std::to_string(w.rank));
-    env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(n));
-    env.push_back("GROUP_RANK=" + std::to_string(opts_.node_rank));
-    env.push_back("MNIST_DDP_NNODES=" + std::to_string(opts_.nnodes));
-    env.push_back("MASTER_ADDR=" + opts_.master_addr);
-    env.push_back("MASTER_PORT=" + std::to_string(port));
-    if (report_fd >= 0) env.push_back("MNIST_DDP_PORT_FD=" + std::to_string(report_fd));
-    env.push_back("MNIST_DDP_ERROR_FD=" + std::to_string(error_write_fd_));
-    // LibTorch's own log lines (glog) would repeat, less clearly, what the
-    // worker reports as its error line.
-    if (!std::getenv("GLOG_minloglevel")) env.push_back("GLOG_minloglevel=3");
-    // Each worker's share of the cores, for every OpenMP pool it starts
-    // (ATen's and OpenBLAS's, on any thread), unless the user set one.
-    if (!std::getenv("OMP_NUM_THREADS")) {
-      const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-      env.push_back("OMP_NUM_THREADS=" + std::to_string(std::max(1, cores / n)));
-    }
-
+    WorkerEnv we;
+    we.local_rank = w.rank;
+    we.local_world_size = static_cast<int>(workers_.size());
+    we.node_rank = opts_.node_rank;
+    we.nnodes = opts_.nnodes;
+    we.master_addr = opts_.master_addr;
+    we.master_port = port;
+    we.port_report_fd = report_fd;
+    we.error_report_fd = error_write_fd_;
+    std::vector<std::string> env = worker_environment(
+        we, std::vector<std::string>(environ, environ + env_count()), static_cast<int>(std::thread::hardware_concurrency()));
     std::vector<char*> envp, args;
     for (auto& s : env) envp.push_back(s.data());
     envp.push_back(nullptr);
@@ -260,12 +193,9 @@ class Launcher {
     while ((got = read(error_fd_, buf, sizeof buf)) > 0) error_text_.append(buf, got);
     size_t nl;
     while ((nl = error_text_.find('\n')) != std::string::npos) {
-      const std::string line = error_text_.substr(0, nl);
+      const auto e = parse_error_report(error_text_.substr(0, nl));
       error_text_.erase(0, nl + 1);
-      const size_t tab = line.find('\t'), tab2 = line.find('\t', tab + 1);
-      if (tab2 == std::string::npos) continue;
-      const bool echo = line.compare(tab + 1, tab2 - tab - 1, "echo") == 0;
-      errors_.emplace(std::atoi(line.substr(0, tab).c_str()), Report{line.substr(tab2 + 1), echo});
+      if (e) errors_.emplace(e->local_rank, *e);
     }
   }
 
@@ -273,7 +203,7 @@ class Launcher {
     int rank = 0;
     pid_t pid = -1;
     int status = 0;
-    const Report* report = nullptr;  // what the worker said, if it said anything
+    const WorkerError* report = nullptr;  // what the worker said, if it said anything
     bool echo() const { return report && report->echo; }
   };
 
@@ -359,128 +289,10 @@ class Launcher {
   int port_fd_ = -1;
   int error_fd_ = -1, error_write_fd_ = -1;
   std::string error_text_;
-  std::map<int, Report> errors_;  // local rank -> its first reported error
+  std::map<int, WorkerError> errors_;  // local rank -> its first reported error
 };
 
 }  // namespace
-
-Placement plan_placement(const Options& opts) {
-  return plan_placement(opts, built_with_cuda(), built_with_cuda() ? visible_gpu_count() : 0);
-}
-
-Placement plan_placement(const Options& opts, bool cuda_build, int visible) {
-  Placement p;
-  std::set<int> distinct(opts.gpus.begin(), opts.gpus.end());
-  const bool shared = distinct.size() < opts.gpus.size();
-  p.backend = opts.backend == "auto" ? (visible > 0 && !shared ? "nccl" : "gloo") : opts.backend;
-  if (p.backend == "nccl" && !cuda_build)
-    throw UsageError("--backend nccl: this mnist_ddp was built against a CPU-only LibTorch; use --backend gloo");
-  if (p.backend == "nccl" && visible == 0)
-    throw UsageError("--backend nccl: no CUDA device is visible; use --backend gloo");
-  if (p.backend == "gloo" && opts.gpus.empty()) {
-    p.local_workers = opts.nproc;
-    return p;
-  }
-  if (opts.gpus.empty()) {
-    for (int d = 0; d < visible; ++d) p.devices.push_back(d);
-  } else {
-    p.devices = opts.gpus;
-  }
-  std::set<int> seen;
-  for (int d : p.devices) {
-    if (d >= visible)
-      throw UsageError("--gpus: device " + std::to_string(d) + " does not exist (" +
-                       (visible == 0 ? std::string("no CUDA device is visible to this build")
-                                     : std::to_string(visible) + " visible, ids 0.." + std::to_string(visible - 1)) +
-                       ")");
-    if (!seen.insert(d).second && p.backend == "nccl")
-      throw UsageError("--gpus: device " + std::to_string(d) +
-                       " is listed twice, but --backend nccl needs a GPU of its own per worker; use --backend gloo "
-                       "to let workers share a GPU");
-  }
-  p.local_workers = static_cast<int>(p.devices.size());
-  return p;
-}
-
-std::string first_slurm_host(const std::string& nodelist) {
-  size_t end = 0;
-  for (int depth = 0; end < nodelist.size(); ++end) {
-    if (nodelist[end] == '[') ++depth;
-    if (nodelist[end] == ']') --depth;
-    if (nodelist[end] == ',' && depth == 0) break;
-  }
-  const std::string first = nodelist.substr(0, end);
-  const size_t open = first.find('[');
-  if (open == std::string::npos) return first;
-  const size_t close = first.find(']', open);
-  const std::string range = first.substr(open + 1, close - open - 1);
-  const std::string head = range.substr(0, range.find_first_of(",-"));
-  return first.substr(0, open) + head + (close == std::string::npos ? "" : first.substr(close + 1));
-}
-
-std::optional<WorkerEnv> worker_env_from_environment() {
-  WorkerEnv env;
-  auto master_addr = [](const std::string& fallback) {
-    const char* addr = std::getenv("MASTER_ADDR");
-    return addr && *addr ? std::string(addr) : fallback;
-  };
-  if (std::getenv("RANK") && std::getenv("WORLD_SIZE")) {  // torchrun, or set by hand
-    env.rank = env_int("RANK", std::nullopt);
-    env.world_size = env_int("WORLD_SIZE", std::nullopt);
-    env.local_rank = env_int("LOCAL_RANK", env.rank);
-    env.local_world_size = env_int("LOCAL_WORLD_SIZE", env.world_size);
-    env.node_rank = env_int("GROUP_RANK", 0);
-    env.master_addr = master_addr("127.0.0.1");
-    env.master_port = env_int("MASTER_PORT", std::nullopt);
-  } else if (std::getenv("SLURM_PROCID") && std::getenv("SLURM_NTASKS")) {  // srun
-    env.rank = env_int("SLURM_PROCID", std::nullopt);
-    env.world_size = env_int("SLURM_NTASKS", std::nullopt);
-    env.local_rank = env_int("SLURM_LOCALID", 0);
-    const char* per_node = std::getenv("SLURM_TASKS_PER_NODE");  // e.g. "4(x2),2"
-    env.local_world_size = per_node ? std::max(1, std::atoi(per_node)) : 1;
-    env.local_rank = std::min(env.local_rank, env.local_world_size - 1);
-    env.node_rank = env_int("SLURM_NODEID", 0);
-    const char* nodes = std::getenv("SLURM_JOB_NODELIST");
-    if (!nodes) nodes = std::getenv("SLURM_NODELIST");
-    env.master_addr = master_addr(nodes ? first_slurm_host(nodes) : "");
-    if (env.master_addr.empty())
-      throw UsageError("environment: Slurm gives no SLURM_JOB_NODELIST; set MASTER_ADDR to node 0's address");
-    env.master_port = env_int("MASTER_PORT", 29500);
-  } else if (std::getenv("MNIST_DDP_NNODES")) {  // our launcher
-    env.nnodes = env_int("MNIST_DDP_NNODES", std::nullopt);
-    env.node_rank = env_int("GROUP_RANK", std::nullopt);
-    env.local_rank = env_int("LOCAL_RANK", std::nullopt);
-    env.local_world_size = env_int("LOCAL_WORLD_SIZE", std::nullopt);
-    env.master_addr = master_addr("127.0.0.1");
-    env.master_port = env_int("MASTER_PORT", std::nullopt);
-  } else {
-    return std::nullopt;
-  }
-  env.port_report_fd = env_int("MNIST_DDP_PORT_FD", -1);
-  env.error_report_fd = env_int("MNIST_DDP_ERROR_FD", -1);
-  if (env.rank >= 0 && (env.world_size < 1 || env.rank >= env.world_size))
-    throw UsageError("environment: RANK=" + std::to_string(env.rank) + " is not below WORLD_SIZE=" +
-                     std::to_string(env.world_size));
-  if (env.local_rank >= env.local_world_size)
-    throw UsageError("environment: LOCAL_RANK=" + std::to_string(env.local_rank) + " is not below LOCAL_WORLD_SIZE=" +
-                     std::to_string(env.local_world_size));
-  if (env.master_port == 0 && env.port_report_fd < 0)
-    throw UsageError("environment: MASTER_PORT must name the rank-0 store's port");
-  return env;
-}
-
-void report_worker_error(const WorkerEnv& env, int rank, const std::string& message, bool echo) {
-  const std::string who = rank >= 0 ? "rank " + std::to_string(rank)
-                                    : "node " + std::to_string(env.node_rank) + " local rank " +
-                                          std::to_string(env.local_rank);
-  if (env.error_report_fd >= 0) {
-    // One write below PIPE_BUF: never interleaved with another worker's.
-    std::string line = std::to_string(env.local_rank) + (echo ? "\techo\t" : "\tcause\t") + who + ": " +
-                       message.substr(0, 3000) + "\n";
-    if (write(env.error_report_fd, line.data(), line.size()) == static_cast<ssize_t>(line.size())) return;
-  }
-  std::cerr << "mnist_ddp: error: " << who << ": " << message << std::endl;
-}
 
 int run_launcher(const Options& opts, const Placement& placement, const std::vector<std::string>& argv) {
   Launcher launcher(opts, placement, argv);

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <map>
@@ -195,6 +196,66 @@ TEST(WorkerEnv, EachLauncherConvention) {
                    });
   with_environment({{"RANK", "3"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}},
                    [] { EXPECT_THROW(worker_env_from_environment(), UsageError); });
+}
+
+// Our launcher's worker environment, built without a fork, reads back as
+// the WorkerEnv it was built from; a parent's launcher variables never leak
+// through, and the user's thread count and log level stand.
+TEST(WorkerEnv, TheLaunchersEnvironmentReadsBackAsTheWorkerItDescribes) {
+  WorkerEnv w;
+  w.local_rank = 1;
+  w.local_world_size = 3;
+  w.node_rank = 1;
+  w.nnodes = 2;
+  w.master_addr = "10.0.0.7";
+  w.master_port = 29511;
+  w.error_report_fd = 9;
+  const std::vector<std::string> parent = {"PATH=/usr/bin", "RANK=7", "WORLD_SIZE=9", "MASTER_PORT=1",
+                                           "MNIST_DDP_PORT_FD=4"};
+  const std::vector<std::string> env = worker_environment(w, parent, 8);
+  std::map<std::string, std::string> vars;
+  for (const auto& kv : env) {
+    const std::string key = kv.substr(0, kv.find('='));
+    EXPECT_EQ(vars.count(key), 0u) << key << " set twice";
+    vars[key] = kv.substr(kv.find('=') + 1);
+  }
+  EXPECT_EQ(vars.at("PATH"), "/usr/bin");
+  EXPECT_EQ(vars.count("RANK") + vars.count("WORLD_SIZE") + vars.count("MNIST_DDP_PORT_FD"), 0u);
+  EXPECT_EQ(vars.at("OMP_NUM_THREADS"), "2");  // 8 cores, 3 workers
+  EXPECT_EQ(vars.at("GLOG_minloglevel"), "3");
+  std::map<std::string, std::string> launcher_vars = vars;
+  for (const auto& key : {"PATH", "OMP_NUM_THREADS", "GLOG_minloglevel"}) launcher_vars.erase(key);
+  with_environment(launcher_vars, [&] {
+    const auto back = worker_env_from_environment();
+    ASSERT_TRUE(back);
+    EXPECT_EQ(back->rank, -1);
+    EXPECT_EQ(back->local_rank, 1);
+    EXPECT_EQ(back->local_world_size, 3);
+    EXPECT_EQ(back->node_rank, 1);
+    EXPECT_EQ(back->nnodes, 2);
+    EXPECT_EQ(back->master_addr, "10.0.0.7");
+    EXPECT_EQ(back->master_port, 29511);
+    EXPECT_EQ(back->port_report_fd, -1);
+    EXPECT_EQ(back->error_report_fd, 9);
+  });
+  const auto own = worker_environment(w, {"OMP_NUM_THREADS=5", "GLOG_minloglevel=0"}, 8);
+  EXPECT_NE(std::find(own.begin(), own.end(), "OMP_NUM_THREADS=5"), own.end());
+  EXPECT_EQ(std::count_if(own.begin(), own.end(), [](const std::string& kv) { return kv.rfind("OMP_NUM_THREADS=", 0) == 0; }), 1);
+  EXPECT_EQ(std::find(own.begin(), own.end(), "GLOG_minloglevel=3"), own.end());
+}
+
+// A worker's error line survives the trip through the launcher's pipe.
+TEST(WorkerEnv, AnErrorReportReadsBackAsSent) {
+  const std::string line = error_report_line({4, true, "rank 6: lost rank 0 (the store's host): timed out"});
+  EXPECT_EQ(line.back(), '\n');
+  EXPECT_EQ(std::count(line.begin(), line.end(), '\n'), 1);
+  const auto back = parse_error_report(line);
+  ASSERT_TRUE(back);
+  EXPECT_EQ(back->local_rank, 4);
+  EXPECT_TRUE(back->echo);
+  EXPECT_EQ(back->message, "rank 6: lost rank 0 (the store's host): timed out");
+  EXPECT_FALSE(parse_error_report(error_report_line({0, false, "x"})).value().echo);
+  EXPECT_FALSE(parse_error_report("no tabs here"));
 }
 
 TEST(Options, SeveralNodesNeedAPortAndAValidNodeRank) {
