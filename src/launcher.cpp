@@ -60,6 +60,55 @@ struct Worker {
   bool running = false;
 };
 
+// Starts this binary as a worker with `argv` and `env`; the descriptors in
+// `inherit` (-1: none) stay open across exec, and the child gets the signal
+// mask `mask` back and SIGKILL when the launcher dies. Everything is built
+// before fork: the child only makes async-signal-safe calls.
+pid_t start_worker(const std::vector<std::string>& argv, std::vector<std::string> env,
+                   std::initializer_list<int> inherit, const sigset_t& mask) {
+  std::vector<std::string> args = argv;
+  std::vector<char*> envp, argp;
+  for (auto& s : env) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  for (auto& s : args) argp.push_back(s.data());
+  argp.push_back(nullptr);
+  const std::vector<int> fds(inherit);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) fail_errno("fork");
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);  // the launcher died before prctl
+    for (int fd : fds)
+      if (fd >= 0) fcntl(fd, F_SETFD, 0);
+    sigprocmask(SIG_SETMASK, &mask, nullptr);
+    execve("/proc/self/exe", argp.data(), envp.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+// SIGTERM every running worker, SIGKILL what is left after the grace
+// period, and reap them all.
+void stop_workers(std::vector<Worker>& workers) {
+  for (const auto& w : workers)
+    if (w.running) kill(w.pid, SIGTERM);
+  const auto deadline = std::chrono::steady_clock::now() + kGracePeriod;
+  bool killed = false;
+  for (;;) {
+    for (auto& w : workers) {
+      if (w.running && waitpid(w.pid, nullptr, WNOHANG) == w.pid) w.running = false;
+    }
+    if (std::none_of(workers.begin(), workers.end(), [](const Worker& w) { return w.running; })) return;
+    if (!killed && std::chrono::steady_clock::now() > deadline) {
+      for (const auto& w : workers)
+        if (w.running) kill(w.pid, SIGKILL);
+      killed = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
 class Launcher {
  public:
   Launcher(const Options& opts, const Placement& placement, const std::vector<std::string>& argv)
@@ -106,8 +155,6 @@ class Launcher {
   }
 
  private:
-  // Builds everything the child needs before fork: after fork only
-  // async-signal-safe calls are made.
   void spawn(Worker& w, int port, int report_fd) {
     WorkerEnv we;
     we.local_rank = w.rank;
@@ -118,28 +165,9 @@ class Launcher {
     we.master_port = port;
     we.port_report_fd = report_fd;
     we.error_report_fd = error_write_fd_;
-    std::vector<std::string> env = worker_environment(
-        we, std::vector<std::string>(environ, environ + env_count()), static_cast<int>(std::thread::hardware_concurrency()));
-    std::vector<char*> envp, args;
-    for (auto& s : env) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::vector<std::string> argv = argv_;
-    for (auto& s : argv) args.push_back(s.data());
-    args.push_back(nullptr);
-
-    const pid_t parent = getpid();
-    const pid_t pid = fork();
-    if (pid < 0) fail_errno("fork");
-    if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != parent) _exit(1);  // the launcher died before prctl
-      if (report_fd >= 0) fcntl(report_fd, F_SETFD, 0);
-      fcntl(error_write_fd_, F_SETFD, 0);
-      sigprocmask(SIG_SETMASK, &old_mask_, nullptr);
-      execve("/proc/self/exe", args.data(), envp.data());
-      _exit(127);
-    }
-    w.pid = pid;
+    const auto env = worker_environment(we, std::vector<std::string>(environ, environ + env_count()),
+                                        static_cast<int>(std::thread::hardware_concurrency()));
+    w.pid = start_worker(argv_, env, {report_fd, error_write_fd_}, old_mask_);
     w.running = true;
   }
 
@@ -259,26 +287,7 @@ class Launcher {
     return exit_code_of(failure->status);
   }
 
-  // SIGTERM every running worker, SIGKILL what is left after the grace
-  // period, and reap them all.
-  void stop_all() {
-    for (const auto& w : workers_)
-      if (w.running) kill(w.pid, SIGTERM);
-    const auto deadline = std::chrono::steady_clock::now() + kGracePeriod;
-    bool killed = false;
-    for (;;) {
-      for (auto& w : workers_) {
-        if (w.running && waitpid(w.pid, nullptr, WNOHANG) == w.pid) w.running = false;
-      }
-      if (std::none_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; })) return;
-      if (!killed && std::chrono::steady_clock::now() > deadline) {
-        for (const auto& w : workers_)
-          if (w.running) kill(w.pid, SIGKILL);
-        killed = true;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  }
+  void stop_all() { stop_workers(workers_); }
 
   const Options& opts_;
   const Placement placement_;

@@ -264,11 +264,24 @@ MetricsFile::MetricsFile(const std::string& file, int64_t resumed_step) {
   out_.flush();
 }
 
-void MetricsFile::train(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr,
-                        double images_per_s, double bytes_per_step) {
+void MetricsFile::restart_rows() {
+  row_start_ = std::chrono::steady_clock::now();
+  row_images_ = row_steps_ = row_bytes_ = 0;
+}
+
+void MetricsFile::count_step(int64_t images, int64_t wire_bytes) {
+  row_images_ += images;
+  row_bytes_ += wire_bytes;
+  ++row_steps_;
+}
+
+void MetricsFile::train(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr) {
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - row_start_).count();
   out_ << fmt::format("{},{},train,{:.6f},{:.4f},{:.4f},{:.6g},{:.1f},{:.0f}\n", epoch, step, loss, top1, top5, lr,
-                      images_per_s, bytes_per_step);
+                      static_cast<double>(row_images_) / seconds,
+                      static_cast<double>(row_bytes_) / static_cast<double>(std::max<int64_t>(1, row_steps_)));
   out_.flush();
+  restart_rows();
 }
 
 void MetricsFile::test(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr) {

@@ -5,11 +5,13 @@
 
 #include <chrono>
 #include <cmath>
+#include <array>
 #include <cstdlib>
 
 #include "mnist_ddp/comm_hooks.hpp"
 #include "mnist_ddp/files.hpp"
 #include "mnist_ddp/logging.hpp"
+#include "mnist_ddp/model.hpp"
 #include "mnist_ddp/sync_batch_norm.hpp"
 
 namespace mnist_ddp {
@@ -82,6 +84,58 @@ Json summary_head(const Options& opts, const Dist& dist) {
   return head;
 }
 
+// The reference's Net with the checkpoint's weights (DDP then broadcasts
+// rank 0's), BatchNorm made synchronous, then DDP and its hook. Leaves the
+// default generator seeded for this rank's dropout.
+DistributedDataParallel build_model(const Options& opts, Dist& dist, const std::optional<Checkpoint>& resumed) {
+  torch::manual_seed(opts.seed);
+  Net net;
+  if (resumed) load_state_dict(*net, resumed->model, "module.", "checkpoint " + resume_dir(opts));
+  convert_sync_batchnorm(*net, dist.comm);
+  net->to(dist.device);
+  DistributedDataParallel ddp(torch::nn::AnyModule(net), dist, make_comm_hook(opts.compression, opts.powersgd),
+                              opts.bucket_cap_mb);
+  for (const auto& line : ddp->describe_buckets()) spdlog::info("DDP {}", line);
+  spdlog::info("Communication hook: {}", ddp->hook().name());
+  if (opts.compression.find("powersgd") != std::string::npos) {
+    const auto& p = opts.powersgd;
+    spdlog::info(
+        "PowerSGD config: matrix_approximation_rank = {}; start_powerSGD_iter = {}; min_compression_rate = {}; "
+        "use_error_feedback = {}; warm_start = {}; orthogonalization_epsilon = {}; random_seed = {}",
+        p.rank, p.start_iter, p.min_compression_rate, p.error_feedback, p.warm_start, p.orthogonalization_epsilon,
+        p.seed);
+  }
+  // Dropout draws differ across ranks, as they would in separate processes.
+  torch::manual_seed(opts.seed + 1000 * static_cast<uint64_t>(dist.rank + 1));
+  return ddp;
+}
+
+// The whole test set's loss, top-1 and top-5 in percent: each rank passes
+// over its shard in `batch`es, then one allreduce adds the shards' sums
+// (disjoint shards, so every image counts once).
+std::array<double, 3> test_metrics(DistributedDataParallel& ddp, const Dataset& data, const torch::Tensor& indices,
+                                   int64_t batch, Dist& dist) {
+  ddp->eval();
+  torch::NoGradGuard no_grad;
+  double local[4] = {0, 0, 0, 0};  // loss, top-1 hits, top-5 hits, images
+  for (int64_t b = 0; b < num_batches(indices.size(0), batch); ++b) {
+    auto [x, y] = get_batch(data, indices, b, batch);
+    x = x.to(dist.device, true);
+    y = y.to(dist.device, true);
+    const torch::Tensor output = ddp->forward(x);
+    const auto [top1, top5] = correct_counts(output, y);
+    local[0] += torch::nll_loss(output, y, {}, at::Reduction::Sum).item<double>();
+    local[1] += static_cast<double>(top1.item<int64_t>());
+    local[2] += static_cast<double>(top5.item<int64_t>());
+    local[3] += static_cast<double>(y.size(0));
+  }
+  auto sums = torch::tensor({local[0], local[1], local[2], local[3]}, torch::kFloat64).to(dist.device);
+  dist.comm->allreduce_sum(sums);
+  sums = sums.cpu();
+  const auto s = sums.accessor<double, 1>();
+  return {s[0] / s[3], 100.0 * s[1] / s[3], 100.0 * s[2] / s[3]};
+}
+
 }  // namespace
 
 Trainer::Trainer(const Options& opts, Dist& dist)
@@ -99,29 +153,8 @@ Trainer::Trainer(const Options& opts, Dist& dist)
   spdlog::info("Data: {} training and {} test images from {}", train_.size(), test_.size(),
                raw_dir(opts.data_dir, opts.dataset));
 
-  // The reference's Net with the checkpoint's weights (DDP then broadcasts
-  // rank 0's), BatchNorm made synchronous, then DDP and its hook.
-  torch::manual_seed(opts.seed);
-  net_ = Net();
   const std::optional<Checkpoint> resumed = receive_checkpoint(opts, dist);
-  if (resumed) load_state_dict(*net_, resumed->model, "module.", "checkpoint " + resume_dir(opts));
-  convert_sync_batchnorm(*net_, dist.comm);
-  net_->to(dist.device);
-  ddp_ = DistributedDataParallel(torch::nn::AnyModule(net_), dist, make_comm_hook(opts.compression, opts.powersgd),
-                                 opts.bucket_cap_mb);
-  for (const auto& line : ddp_->describe_buckets()) spdlog::info("DDP {}", line);
-  spdlog::info("Communication hook: {}", ddp_->hook().name());
-  if (opts.compression.find("powersgd") != std::string::npos) {
-    const auto& p = opts.powersgd;
-    spdlog::info(
-        "PowerSGD config: matrix_approximation_rank = {}; start_powerSGD_iter = {}; min_compression_rate = {}; "
-        "use_error_feedback = {}; warm_start = {}; orthogonalization_epsilon = {}; random_seed = {}",
-        p.rank, p.start_iter, p.min_compression_rate, p.error_feedback, p.warm_start, p.orthogonalization_epsilon,
-        p.seed);
-  }
-  // Dropout draws differ across ranks, as they would in separate processes.
-  torch::manual_seed(opts.seed + 1000 * static_cast<uint64_t>(dist.rank + 1));
-
+  ddp_ = build_model(opts, dist, resumed);
   // SGD with momentum and weight decay.
   optimizer_ = std::make_unique<torch::optim::SGD>(
       ddp_->parameters(), torch::optim::SGDOptions(opts.lr).momentum(opts.momentum).weight_decay(opts.weight_decay));
@@ -146,7 +179,7 @@ void Trainer::run() {
   for (int64_t epoch = at_.epoch; epoch < opts_.epochs && !max_steps_reached(); ++epoch) {
     static_cast<torch::optim::SGDOptions&>(optimizer_->param_groups()[0].options()).lr(cosine_lr(opts_, epoch));
     EpochReport report = train_epoch(epoch);
-    evaluate(report);
+    test(report);
     ddp_->check_replicas("after epoch " + std::to_string(epoch));
     ++replica_checks_;
     if (summary_) {
@@ -169,8 +202,7 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
   report.epoch = epoch;
   report.lr = current_lr(*optimizer_);
   const auto start = Clock::now();
-  row_time_ = start;
-  row_images_ = row_steps_ = row_bytes_ = 0;
+  if (metrics_) metrics_->restart_rows();
   const int64_t bytes_at_start = ddp_->wire().bytes, elements_at_start = ddp_->wire().elements;
   int64_t images = 0;
   double smoothed_loss = 0;  // rank 0's own, for the progress line
@@ -192,13 +224,10 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
     const int64_t bytes_before = ddp_->wire().bytes;
     torch::Tensor output;
     const torch::Tensor loss = step(x, y, output);
-    const int64_t sent = ddp_->wire().bytes - bytes_before;
     at_.batch = b + 1;
     ++report.steps;
     images += y.size(0) * dist_.world_size;
-    row_images_ += y.size(0) * dist_.world_size;
-    row_bytes_ += sent;
-    ++row_steps_;
+    if (metrics_) metrics_->count_step(y.size(0) * dist_.world_size, ddp_->wire().bytes - bytes_before);
     if (b % opts_.log_interval == 0) log_train(report, b, batches, loss, output, y);
     if (progress_shown()) {
       const double value = loss.item<double>();
@@ -284,40 +313,14 @@ void Trainer::log_train(EpochReport& report, int64_t batch, int64_t batches, con
   report.train_top5 = m[2];
   spdlog::info("Train Epoch: {} [{}/{}\t({:.0f}%)]\tLoss: {:.6f}\tTop 1 Acc: {:.2f}%\tTop 5 Acc: {:.2f}%", report.epoch,
                batch, batches, 100.0 * static_cast<double>(batch) / static_cast<double>(batches), m[0], m[1], m[2]);
-  if (metrics_) {
-    metrics_->train(report.epoch, at_.step, m[0], m[1], m[2], report.lr,
-                    static_cast<double>(row_images_) / seconds_since(row_time_),
-                    static_cast<double>(row_bytes_) / static_cast<double>(std::max<int64_t>(1, row_steps_)));
-  }
-  row_time_ = Clock::now();
-  row_images_ = row_steps_ = row_bytes_ = 0;
+  if (metrics_) metrics_->train(report.epoch, at_.step, m[0], m[1], m[2], report.lr);
 }
 
-void Trainer::evaluate(EpochReport& report) {
-  ddp_->eval();
-  torch::NoGradGuard no_grad;
-  // Sums over this rank's shard: loss, top-1 hits, top-5 hits, images.
-  double local[4] = {0, 0, 0, 0};
-  const int64_t batches = num_batches(test_indices_.size(0), opts_.test_batch_size);
-  for (int64_t b = 0; b < batches; ++b) {
-    auto [x, y] = get_batch(test_, test_indices_, b, opts_.test_batch_size);
-    x = x.to(dist_.device, true);
-    y = y.to(dist_.device, true);
-    const torch::Tensor output = ddp_->forward(x);
-    const auto [top1, top5] = correct_counts(output, y);
-    local[0] += torch::nll_loss(output, y, {}, at::Reduction::Sum).item<double>();
-    local[1] += static_cast<double>(top1.item<int64_t>());
-    local[2] += static_cast<double>(top5.item<int64_t>());
-    local[3] += static_cast<double>(y.size(0));
-  }
-  // The shards are disjoint, so the sums count every test image once.
-  auto sums = torch::tensor({local[0], local[1], local[2], local[3]}, torch::kFloat64).to(dist_.device);
-  dist_.comm->allreduce_sum(sums);
-  sums = sums.cpu();
-  const auto s = sums.accessor<double, 1>();
-  report.test_loss = s[0] / s[3];
-  report.test_top1 = 100.0 * s[1] / s[3];
-  report.test_top5 = 100.0 * s[2] / s[3];
+void Trainer::test(EpochReport& report) {
+  const auto [loss, top1, top5] = test_metrics(ddp_, test_, test_indices_, opts_.test_batch_size, dist_);
+  report.test_loss = loss;
+  report.test_top1 = top1;
+  report.test_top5 = top5;
   spdlog::info("Test Epoch: {}: Average loss: {:.4f}, Top 1 Acc: {:.2f}%, Top 5 Acc: {:.2f}%\n", report.epoch,
                report.test_loss, report.test_top1, report.test_top5);
   if (metrics_)

@@ -9,6 +9,7 @@
 //   the progress line    under the log on a terminal (logging.hpp).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <fstream>
 #include <string>
@@ -66,19 +67,23 @@ class Json {
 };
 
 // <path>/metrics.csv on rank 0. A resumed run keeps the rows up to the step
-// it resumes from.
+// it resumes from. A training row's speed and bytes cover the steps counted
+// since the previous row (or since restart_rows()).
 class MetricsFile {
  public:
   static constexpr const char* kHeader = "epoch,step,split,loss,top1,top5,lr,images_per_s,wire_bytes_per_step";
 
   // `resumed_step` < 0: a fresh run, the file starts empty.
   MetricsFile(const std::string& file, int64_t resumed_step);
-  void train(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr, double images_per_s,
-             double bytes_per_step);
+  void restart_rows();  // at the start of an epoch
+  void count_step(int64_t images, int64_t wire_bytes);
+  void train(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr);
   void test(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr);
 
  private:
   std::ofstream out_;
+  std::chrono::steady_clock::time_point row_start_ = std::chrono::steady_clock::now();
+  int64_t row_images_ = 0, row_steps_ = 0, row_bytes_ = 0;  // all ranks' images; this rank's bytes
 };
 
 // "Epoch 3 [=======>            ] 640/1875  1234 images/s  loss 0.2345  ETA 1:05"

@@ -15,7 +15,6 @@
 #include "mnist_ddp/data.hpp"
 #include "mnist_ddp/ddp.hpp"
 #include "mnist_ddp/dist.hpp"
-#include "mnist_ddp/model.hpp"
 #include "mnist_ddp/options.hpp"
 #include "mnist_ddp/report.hpp"
 #include "mnist_ddp/resume.hpp"
@@ -36,7 +35,7 @@ class Trainer {
   torch::Tensor step(const torch::Tensor& x, const torch::Tensor& y, torch::Tensor& output);
   void log_train(EpochReport& report, int64_t batch, int64_t batches, const torch::Tensor& loss,
                  const torch::Tensor& output, const torch::Tensor& labels);
-  void evaluate(EpochReport& report);
+  void test(EpochReport& report);
   void save_checkpoint();
   void finish();
   bool max_steps_reached() const { return opts_.max_steps > 0 && at_.step >= opts_.max_steps; }
@@ -47,7 +46,6 @@ class Trainer {
   Dataset train_, test_;
   DistributedSampler sampler_;
   torch::Tensor test_indices_;
-  Net net_;
   DistributedDataParallel ddp_{nullptr};
   std::unique_ptr<torch::optim::SGD> optimizer_;
   Position at_;
@@ -55,9 +53,6 @@ class Trainer {
   int replica_checks_ = 0;
   std::optional<MetricsFile> metrics_;  // rank 0
   std::optional<RunSummary> summary_;   // rank 0
-  // Since the last metrics row: when, how many images (all ranks), steps and bytes.
-  std::chrono::steady_clock::time_point row_time_;
-  int64_t row_images_ = 0, row_steps_ = 0, row_bytes_ = 0;
 };
 
 }  // namespace mnist_ddp
