@@ -255,7 +255,7 @@ TEST(Hooks, EveryRankEndsEveryStepWithBitIdenticalGradients) {
   for (const std::string& name : kCompressions) {
     std::vector<Net> nets;
     for (int r = 0; r < 2; ++r) nets.emplace_back();
-    std::vector<std::vector<torch::Tensor>> last(2);
+    std::vector<std::vector<torch::Tensor>> grads(2);  // per rank: every step's gradients
     torch::manual_seed(9);
     const auto x = torch::randn({8, 1, 28, 28});
     const auto y = torch::randint(0, 10, {8}, torch::kInt64);
@@ -266,12 +266,15 @@ TEST(Hooks, EveryRankEndsEveryStepWithBitIdenticalGradients) {
       for (int step = 0; step < 5; ++step) {
         opt.zero_grad();
         torch::nll_loss(ddp->forward(mine), labels).backward();
-        last[dist.rank].clear();
-        for (const auto& p : ddp->parameters()) last[dist.rank].push_back(p.grad().clone());
+        for (const auto& p : ddp->parameters()) grads[dist.rank].push_back(p.grad().clone());
         opt.step();
       }
     });
-    for (size_t i = 0; i < last[0].size(); ++i) EXPECT_TRUE(torch::equal(last[0][i], last[1][i])) << name << " parameter " << i;
+    ASSERT_EQ(grads[0].size(), grads[1].size());
+    ASSERT_EQ(grads[0].size(), 5 * nets[0]->parameters().size());
+    const size_t per_step = nets[0]->parameters().size();
+    for (size_t i = 0; i < grads[0].size(); ++i)
+      EXPECT_TRUE(torch::equal(grads[0][i], grads[1][i])) << name << " step " << i / per_step << " parameter " << i % per_step;
   }
 }
 

@@ -54,9 +54,10 @@ TEST(Launcher, CtrlCStopsEveryWorkerAndExits130) {
   const auto workers = start_training(launcher, out);
   const auto sent = std::chrono::steady_clock::now();
   kill(-launcher.pid(), SIGINT);  // the whole process group, as a terminal's Ctrl-C
-  const int status = launcher.wait(10s);
-  ASSERT_NE(status, -1) << "launcher still running 10 s after SIGINT";
-  EXPECT_LT(std::chrono::steady_clock::now() - sent, 10s);
+  const int status = launcher.wait(30s);
+  ASSERT_NE(status, -1) << "launcher still running 30 s after SIGINT";
+  // The workers leave on SIGTERM: nobody waits out the 5 s before SIGKILL.
+  EXPECT_LT(std::chrono::steady_clock::now() - sent, 4s);
   EXPECT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 130);
   EXPECT_NE(read_text(out).find("KeyboardInterrupt received. Terminating processes..."), std::string::npos);
@@ -86,9 +87,11 @@ TEST(Launcher, AWorkerThatDiesStopsTheRestAndIsNamed) {
   ASSERT_GT(victim, 0);
   const auto sent = std::chrono::steady_clock::now();
   kill(victim, SIGKILL);
-  const int status = launcher.wait(30s);
-  ASSERT_NE(status, -1) << "launcher still running 30 s after a worker died";
-  EXPECT_LT(std::chrono::steady_clock::now() - sent, 30s);
+  const int status = launcher.wait(60s);
+  ASSERT_NE(status, -1) << "launcher still running 60 s after a worker died";
+  // Seen at once (SIGCHLD), the survivor stopped with SIGTERM: well inside
+  // the 5 s grace period and the 3 s wait for a cause behind an echo.
+  EXPECT_LT(std::chrono::steady_clock::now() - sent, 8s);
   EXPECT_TRUE(WIFEXITED(status));
   EXPECT_NE(WEXITSTATUS(status), 0);
   const std::string text = read_text(out);

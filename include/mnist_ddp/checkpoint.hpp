@@ -4,12 +4,13 @@
 // A checkpoint directory holds:
 //   manifest              text; names the files below with their sizes and
 //                         CRC32s, and the run's counters and arguments
-//   model-<step>.pt       the model's state dict, as Python's torch.save
+//   model-<N>.pt          the model's state dict, as Python's torch.save
 //                         writes it ("module.conv1.weight", ...)
-//   training-<step>.pt    everything else a resumed run needs, as a dict of
+//   training-<N>.pt       everything else a resumed run needs, as a dict of
 //                         tensors: optimizer momentum, every rank's RNG and
 //                         hook state
-// The data files are written first, under names no manifest refers to yet;
+// N is the save's generation: one more than the manifest's it replaces. The
+// data files are written first, under names no manifest refers to yet;
 // the manifest is renamed into place last; then files no manifest refers
 // to are removed.
 #pragma once
