@@ -6,6 +6,7 @@
 #include <sys/prctl.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <regex>
 #include <set>
@@ -74,27 +75,37 @@ TEST(Resume, StraightAndInterruptedRunsEndIdentical) {
     const std::string expected_test = last_line_with(read_text(straight + "/mnist_train.log"), "Test Epoch: 2:");
     ASSERT_FALSE(expected_test.empty());
 
-    // Stopped at the end of epoch 0, and in the middle of epoch 1 (step 23 of 48).
-    for (const std::string stop : {"16", "23"}) {
-      const std::string split = dir / (compression + "_split_" + stop);
-      ASSERT_EQ(run(job(dir / "data", split, compression, {"--epochs", "3", "--max-steps", stop}), dir / "out.txt"), 0)
-          << read_text(dir / "out.txt");
-      ASSERT_EQ(run(job(dir / "data", split, compression, {"--epochs", "3", "--resume", "auto"}), dir / "out.txt"), 0)
-          << read_text(dir / "out.txt");
-      const std::string log = read_text(split + "/mnist_train.log");
-      EXPECT_NE(log.find("Resuming from " + split + "/checkpoint: epoch " + (stop == "16" ? "1, batch 0" : "1, batch 7") +
-                         ", step " + stop),
-                std::string::npos)
-          << log;
-      const Checkpoint resumed = load_checkpoint(split + "/checkpoint");
-      EXPECT_EQ(resumed.step, expected.step);
-      EXPECT_LE(max_abs_diff(resumed.model, expected.model), 1e-6) << "stopped at step " << stop;
-      EXPECT_LE(max_abs_diff(resumed.training, expected.training), 1e-6) << "stopped at step " << stop;
-      EXPECT_EQ(last_line_with(log, "Test Epoch: 2:"), expected_test);
-      // The metrics go on from the checkpoint: no row lost or repeated.
-      EXPECT_EQ(metrics_rows(split + "/metrics.csv", "train"), metrics_rows(straight + "/metrics.csv", "train"));
-      EXPECT_EQ(metrics_rows(split + "/metrics.csv", "test").back(), metrics_rows(straight + "/metrics.csv", "test").back());
+    // One run stopped three times over: at the end of epoch 0 (step 16),
+    // then in the middle of epoch 1 (step 23 of 48), then run to the end.
+    const std::string split = dir / (compression + "_split");
+    for (const std::string stop : {"16", "23", ""}) {
+      std::vector<std::string> extra = {"--epochs", "3", "--resume", "auto"};
+      if (!stop.empty()) extra.insert(extra.end(), {"--max-steps", stop});
+      ASSERT_EQ(run(job(dir / "data", split, compression, extra), dir / "out.txt"), 0) << read_text(dir / "out.txt");
     }
+    const std::string log = read_text(split + "/mnist_train.log");
+    EXPECT_NE(log.find("Resuming from " + split + "/checkpoint: epoch 1, batch 0, step 16"), std::string::npos) << log;
+    EXPECT_NE(log.find("Resuming from " + split + "/checkpoint: epoch 1, batch 7, step 23"), std::string::npos) << log;
+    const Checkpoint resumed = load_checkpoint(split + "/checkpoint");
+    EXPECT_EQ(resumed.step, expected.step);
+    EXPECT_EQ(max_abs_diff(resumed.model, expected.model), 0);
+    EXPECT_EQ(max_abs_diff(resumed.training, expected.training), 0);
+    EXPECT_EQ(last_line_with(log, "Test Epoch: 2:"), expected_test);
+    // The metrics go on from each checkpoint: no row lost or repeated. The
+    // run stopped mid-epoch tested where it stopped; that row stays.
+    EXPECT_EQ(metrics_rows(split + "/metrics.csv", "train"), metrics_rows(straight + "/metrics.csv", "train"));
+    auto tests = metrics_rows(split + "/metrics.csv", "test");
+    const auto at_stop = std::find_if(tests.begin(), tests.end(), [](const std::string& row) { return row.rfind("1,23,", 0) == 0; });
+    ASSERT_NE(at_stop, tests.end());
+    tests.erase(at_stop);
+    EXPECT_EQ(tests, metrics_rows(straight + "/metrics.csv", "test"));
+    // summary.json keeps the epochs of the runs before each checkpoint.
+    const Json summary = test::read_summary(split), straight_summary = test::read_summary(straight);
+    ASSERT_EQ(summary.at("epochs").size(), 3u);
+    for (size_t e = 0; e < 3; ++e)
+      EXPECT_EQ(summary.at("epochs").at(e).at("test").at("top1").number(),
+                straight_summary.at("epochs").at(e).at("test").at("top1").number());
+    EXPECT_EQ(summary.at("resumed_from").at("step").number(), 23);
   }
 }
 
