@@ -284,6 +284,19 @@ Checkpoint parse_checkpoint(const CheckpointFiles& f) {
   return c;
 }
 
+std::optional<Checkpoint> read_manifest(const std::string& dir) {
+  const std::string manifest = files::join(dir, "manifest");
+  if (!files::exists(manifest)) return std::nullopt;
+  try {
+    const std::vector<char> text = read_bytes(manifest);
+    Checkpoint c;
+    parse_manifest(std::string(text.begin(), text.end()), manifest, c);
+    return c;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
 Checkpoint load_checkpoint(const std::string& dir) { return parse_checkpoint(read_checkpoint_files(dir)); }
 
 }  // namespace mnist_ddp

@@ -1,4 +1,5 @@
 #include "mnist_ddp/launcher.hpp"
+#include "mnist_ddp/checkpoint.hpp"
 #include "mnist_ddp/files.hpp"
 
 #include <fcntl.h>
@@ -27,6 +28,9 @@ namespace mnist_ddp {
 namespace {
 
 constexpr auto kGracePeriod = std::chrono::seconds(5);  // SIGTERM, then SIGKILL
+// For workers to finish their step and checkpoint it after a preemption
+// signal (Slurm's KillWait is 30 s by default, --signal=USR1@60 gives 60).
+constexpr auto kPreemptionGrace = std::chrono::seconds(60);
 constexpr auto kCauseWait = std::chrono::seconds(3);    // for the cause behind an echoed failure
 
 [[noreturn]] void fail_errno(const std::string& what) {
@@ -88,12 +92,13 @@ pid_t start_worker(const std::vector<std::string>& argv, std::vector<std::string
   return pid;
 }
 
-// SIGTERM every running worker, SIGKILL what is left after the grace
-// period, and reap them all.
-void stop_workers(std::vector<Worker>& workers) {
+// Sends `sig` to every running worker, SIGKILL to what is left after
+// `grace`, and reaps them all.
+void stop_workers(std::vector<Worker>& workers, int sig = SIGTERM,
+                  std::chrono::steady_clock::duration grace = kGracePeriod) {
   for (const auto& w : workers)
-    if (w.running) kill(w.pid, SIGTERM);
-  const auto deadline = std::chrono::steady_clock::now() + kGracePeriod;
+    if (w.running) kill(w.pid, sig);
+  const auto deadline = std::chrono::steady_clock::now() + grace;
   bool killed = false;
   for (;;) {
     for (auto& w : workers) {
@@ -128,7 +133,7 @@ class Launcher {
     // Signals are taken from a signalfd, so none can arrive between two checks.
     sigset_t mask;
     sigemptyset(&mask);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaddset(&mask, sig);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGCHLD}) sigaddset(&mask, sig);
     if (sigprocmask(SIG_BLOCK, &mask, &old_mask_) != 0) fail_errno("sigprocmask");
     signal_fd_ = signalfd(-1, &mask, SFD_CLOEXEC);
     if (signal_fd_ < 0) fail_errno("signalfd");
@@ -137,6 +142,38 @@ class Launcher {
     error_fd_ = error_pipe[0];
     error_write_fd_ = error_pipe[1];
 
+    std::vector<std::string> argv = argv_;
+    bool resuming = false;  // argv ends in --resume auto
+    for (int restarts = 0;; ++restarts) {
+      const int code = start_and_supervise(argv);
+      if (code == 0 || interrupted_ || code == 2 || restarts == opts_.max_restarts) {
+        if (!failure_.empty())
+          std::cerr << "mnist_ddp: error: " << failure_
+                    << (restarts > 0 ? " (restarted " + std::to_string(restarts) + " times; no restart left)" : "")
+                    << std::endl;
+        return code;
+      }
+      // The whole node again, from the newest complete checkpoint.
+      const std::string dir = files::join(opts_.path, "checkpoint");
+      const std::optional<Checkpoint> at = read_manifest(dir);
+      std::cout << "mnist_ddp: " << failure_ << "; restart " << restarts + 1 << " of " << opts_.max_restarts
+                << (at ? " from the checkpoint of step " + std::to_string(at->step) + " in " + dir
+                       : std::string(" from the start: no checkpoint yet"))
+                << std::endl;
+      if (at && !resuming) argv.insert(argv.end(), {"--resume", "auto"});  // the last --resume wins
+      resuming |= at.has_value();
+      // The restarted workers time their start-up from now.
+      setenv("MNIST_DDP_LAUNCH_TIME",
+             std::to_string(std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count()).c_str(), 1);
+      failure_.clear();
+      errors_.clear();
+      error_text_.clear();
+    }
+  }
+
+ private:
+  // Starts the node's workers and supervises them until they have all exited.
+  int start_and_supervise(const std::vector<std::string>& argv) {
     int port = opts_.master_port;
     if (port == 0) {
       // Rank 0 binds a free port and tells us which, before the others start:
@@ -144,18 +181,17 @@ class Launcher {
       int fds[2];
       if (pipe2(fds, O_CLOEXEC) != 0) fail_errno("pipe");
       port_fd_ = fds[0];
-      spawn(workers_[0], 0, fds[1]);
+      spawn(workers_[0], argv, 0, fds[1]);
       close(fds[1]);
       if (const int code = wait_for_port(port); code >= 0) return code;
-      for (size_t r = 1; r < workers_.size(); ++r) spawn(workers_[r], port, -1);
+      for (size_t r = 1; r < workers_.size(); ++r) spawn(workers_[r], argv, port, -1);
     } else {
-      for (auto& w : workers_) spawn(w, port, -1);
+      for (auto& w : workers_) spawn(w, argv, port, -1);
     }
     return supervise();
   }
 
- private:
-  void spawn(Worker& w, int port, int report_fd) {
+  void spawn(Worker& w, const std::vector<std::string>& argv, int port, int report_fd) {
     WorkerEnv we;
     we.local_rank = w.rank;
     we.local_world_size = static_cast<int>(workers_.size());
@@ -167,7 +203,7 @@ class Launcher {
     we.error_report_fd = error_write_fd_;
     const auto env = worker_environment(we, std::vector<std::string>(environ, environ + env_count()),
                                         static_cast<int>(std::thread::hardware_concurrency()));
-    w.pid = start_worker(argv_, env, {report_fd, error_write_fd_}, old_mask_);
+    w.pid = start_worker(argv, env, {report_fd, error_write_fd_}, old_mask_);
     w.running = true;
   }
 
@@ -261,9 +297,16 @@ class Launcher {
     if (read(signal_fd_, &info, sizeof info) != sizeof info) return -1;
     const int sig = static_cast<int>(info.ssi_signo);
     if (sig != SIGCHLD) {
+      interrupted_ = true;
       if (isatty(STDERR_FILENO)) std::cerr << "\r\033[K";  // rank 0's progress line
-      std::cout << "KeyboardInterrupt received. Terminating processes..." << std::endl;
-      stop_all();
+      if (sig == SIGTERM || sig == SIGUSR1) {  // preemption: keep the step the workers are on
+        std::cout << "mnist_ddp: " << (sig == SIGTERM ? "SIGTERM" : "SIGUSR1")
+                  << " received: the workers checkpoint the step they are on, then stop" << std::endl;
+        stop_workers(workers_, sig, kPreemptionGrace);
+      } else {
+        std::cout << "KeyboardInterrupt received. Terminating processes..." << std::endl;
+        stop_all();
+      }
       return 128 + sig;
     }
     std::optional<Failure> failure = reap();
@@ -276,13 +319,10 @@ class Launcher {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       if (auto other = reap(); other && !other->echo()) failure = other;
     }
-    if (failure->report) {
-      std::cerr << "mnist_ddp: error: " << failure->report->message << std::endl;
-    } else {
-      std::cerr << "mnist_ddp: worker " << (opts_.nnodes > 1 ? "local rank " : "rank ") << failure->rank
-                << " (pid " << failure->pid << ") " << describe_status(failure->status)
-                << "; stopping the other workers" << std::endl;
-    }
+    failure_ = failure->report ? failure->report->message
+                               : "worker " + std::string(opts_.nnodes > 1 ? "local rank " : "rank ") +
+                                     std::to_string(failure->rank) + " (pid " + std::to_string(failure->pid) + ") " +
+                                     describe_status(failure->status) + "; stopping the other workers";
     stop_all();
     return exit_code_of(failure->status);
   }
@@ -298,7 +338,9 @@ class Launcher {
   int port_fd_ = -1;
   int error_fd_ = -1, error_write_fd_ = -1;
   std::string error_text_;
-  std::map<int, WorkerError> errors_;  // local rank -> its first reported error
+  std::map<int, WorkerError> errors_;
+  std::string failure_;       // why the workers last failed, for the user
+  bool interrupted_ = false;  // by a signal to the launcher: no restart  // local rank -> its first reported error
 };
 
 }  // namespace

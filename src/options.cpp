@@ -133,6 +133,12 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
   app.add_option("--checkpoint-every", o.checkpoint_every,
                  "Epochs between checkpoints into <path>/checkpoint (0: none); also written when --max-steps stops")
       ->check(at_least(0, "an integer >= 0"));
+  app.add_option("--checkpoint-steps", o.checkpoint_steps,
+                 "Also checkpoint every this many training steps (0: by epoch only)")
+      ->check(at_least(0, "an integer >= 0"));
+  app.add_option("--max-restarts", o.max_restarts,
+                 "After a worker fails, restart all workers from the newest checkpoint, at most this many times")
+      ->check(at_least(0, "an integer >= 0"));
   app.add_option("--resume", o.resume,
                  "Continue from a checkpoint directory, or 'auto': <path>/checkpoint when it holds one");
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "Gradient bucket size in MB (the first bucket is at most 1 MB)")
@@ -183,6 +189,11 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
     throw UsageError("--master-port 0: a free port can be picked on a single node only; give the port node 0 "
                      "listens on to every node (default 29500)");
 
+  if (o.max_restarts > 0 && o.nnodes > 1)
+    throw UsageError("--max-restarts " + std::to_string(o.max_restarts) +
+                     ": restarts are for a single node; under several nodes, let the scheduler restart the job "
+                     "(--resume auto continues it)");
+
   ps.error_feedback = !no_error_feedback;
   ps.warm_start = !no_warm_start;
   if ((ps.error_feedback || ps.warm_start) && ps.start_iter <= 1)
@@ -208,7 +219,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
 
 std::vector<std::pair<std::string, std::string>> shared_settings(const Options& opts) {
   static const std::vector<std::string> own = {"workers", "path", "gpus", "nproc", "node_rank", "master_addr",
-                                               "master_port", "data_dir", "resume"};
+                                               "master_port", "data_dir", "resume", "max_restarts"};
   std::vector<std::pair<std::string, std::string>> out;
   for (const auto& arg : opts.arguments)
     if (std::find(own.begin(), own.end(), arg.first) == own.end()) out.push_back(arg);

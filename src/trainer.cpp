@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <array>
+#include <atomic>
 #include <cstdlib>
 
 #include "mnist_ddp/comm_hooks.hpp"
@@ -47,6 +48,10 @@ std::function<void(const std::string&)> kill_point() {
     if (++done == n) raise(SIGKILL);
   };
 }
+
+std::atomic<int> g_preemption_signal{0};
+
+void on_preemption_signal(int sig) { g_preemption_signal = sig; }
 
 // Seconds since the Unix epoch.
 double unix_seconds() {
@@ -138,6 +143,14 @@ std::array<double, 3> test_metrics(DistributedDataParallel& ddp, const Dataset& 
 
 }  // namespace
 
+void catch_preemption_signals() {
+  struct sigaction action {};
+  action.sa_handler = on_preemption_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  for (int sig : {SIGTERM, SIGUSR1}) sigaction(sig, &action, nullptr);
+}
+
 Trainer::Trainer(const Options& opts, Dist& dist)
     : opts_(opts),
       dist_(dist),
@@ -174,11 +187,13 @@ Trainer::Trainer(const Options& opts, Dist& dist)
   }
 }
 
-void Trainer::run() {
+int Trainer::run() {
+  catch_preemption_signals();
   if (at_.epoch >= opts_.epochs) spdlog::info("The checkpoint has finished all {} epochs: nothing to train", opts_.epochs);
   for (int64_t epoch = at_.epoch; epoch < opts_.epochs && !max_steps_reached(); ++epoch) {
     static_cast<torch::optim::SGDOptions&>(optimizer_->param_groups()[0].options()).lr(cosine_lr(opts_, epoch));
     EpochReport report = train_epoch(epoch);
+    if (stop_signal_) return stop(stop_signal_);
     test(report);
     ddp_->check_replicas("after epoch " + std::to_string(epoch));
     ++replica_checks_;
@@ -191,6 +206,33 @@ void Trainer::run() {
       save_checkpoint();
   }
   finish();
+  return 0;
+}
+
+int Trainer::stop(int sig) {
+  save_checkpoint();
+  spdlog::info("Preempted by {}: every rank stopped after step {} (epoch {}, batch {}); --resume auto continues from "
+               "its checkpoint",
+               sig == SIGTERM ? "SIGTERM" : "SIGUSR1", at_.step, at_.epoch, at_.batch);
+  if (summary_) {
+    summary_->set("preempted", Json(sig == SIGTERM ? "SIGTERM" : "SIGUSR1"));
+    summary_->write();
+  }
+  dist_.comm->barrier();  // nobody leaves while a peer still needs the store
+  return sig;
+}
+
+int Trainer::agreed_signal() {
+  int agreed = 0;
+  if (vote_.defined()) {
+    dist_.comm->wait(vote_ticket_);
+    const torch::Tensor votes = vote_.cpu();
+    agreed = votes[0].item<double>() > 0 ? SIGTERM : votes[1].item<double>() > 0 ? SIGUSR1 : 0;
+  }
+  const int mine = g_preemption_signal;
+  vote_ = torch::tensor({mine == SIGTERM ? 1.0 : 0.0, mine == SIGUSR1 ? 1.0 : 0.0}, torch::kFloat64).to(dist_.device);
+  vote_ticket_ = dist_.comm->post([votes = vote_](Channel& c) { c.allreduce_sum(votes)->waitAndThrow(); });
+  return agreed;
 }
 
 EpochReport Trainer::train_epoch(int64_t epoch) {
@@ -229,6 +271,8 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
     images += y.size(0) * dist_.world_size;
     if (metrics_) metrics_->count_step(y.size(0) * dist_.world_size, ddp_->wire().bytes - bytes_before);
     if (b % opts_.log_interval == 0) log_train(report, b, batches, loss, output, y);
+    if ((stop_signal_ = agreed_signal())) break;
+    if (opts_.checkpoint_steps > 0 && at_.step % opts_.checkpoint_steps == 0) save_checkpoint();
     if (progress_shown()) {
       const double value = loss.item<double>();
       smoothed_loss = report.steps == 1 ? value : 0.9 * smoothed_loss + 0.1 * value;
@@ -241,7 +285,9 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
     }
   }
   show_progress("");
-  if (at_.batch == batches) at_ = {epoch + 1, 0, at_.step, at_.best_accuracy};
+  // The epoch is done once trained; a preemption at its last step leaves
+  // its test pass to the resumed run.
+  if (at_.batch == batches && !stop_signal_) at_ = {epoch + 1, 0, at_.step, at_.best_accuracy};
   report.end_step = at_.step;
   report.seconds = seconds_since(start);
   report.images_per_s = images / report.seconds;

@@ -78,8 +78,8 @@ int run_worker(const Options& opts, const WorkerEnv& env) {
     dist = std::make_unique<Dist>(connect(env, placement, opts.timeout, settings));
     if (dist->rank == 0) prepare_output_dir(opts.path, /*announce=*/false);
     init_logging(opts.path, dist->rank);
-    Trainer(opts, *dist).run();
-    return 0;
+    const int preempted = Trainer(opts, *dist).run();
+    return preempted ? 128 + preempted : 0;
   } catch (const UsageError& e) {
     message = e.what();
     code = 2;

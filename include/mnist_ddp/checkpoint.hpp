@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -68,6 +69,11 @@ CheckpointFiles read_checkpoint_files(const std::string& dir);
 
 // Parses files read by read_checkpoint_files. Throws CheckpointError.
 Checkpoint parse_checkpoint(const CheckpointFiles& files);
+
+// The counters and arguments of `dir`'s manifest, without reading or
+// verifying the data files; nullopt when there is no readable manifest.
+// Creates no tensor: the launcher calls it between forks.
+std::optional<Checkpoint> read_manifest(const std::string& dir);
 
 // read_checkpoint_files, then parse_checkpoint.
 Checkpoint load_checkpoint(const std::string& dir);

@@ -60,6 +60,8 @@ struct Options {
 
   // --- Checkpoints. ---
   int checkpoint_every = 1;   // epochs between checkpoints into <path>/checkpoint; 0: none
+  std::int64_t checkpoint_steps = 0;  // also every this many steps; 0: by epoch only
+  int max_restarts = 0;       // restarts of the whole node after a worker fails (torchrun's --max-restarts)
   std::string resume;         // a checkpoint directory, "auto" (<path>/checkpoint if any), or "" (none)
 
   // --- DistributedDataParallel and its communication hook. ---

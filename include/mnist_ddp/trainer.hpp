@@ -21,13 +21,20 @@
 
 namespace mnist_ddp {
 
+// From now on, SIGTERM and SIGUSR1 ask the Trainer to stop at a step
+// boundary with a checkpoint (run()) instead of ending the process.
+void catch_preemption_signals();
+
 class Trainer {
  public:
   // Loads the data, builds the model, DDP and the optimizer, and resumes
   // from the checkpoint --resume names. Logs the reference's start-up lines.
   Trainer(const Options& opts, Dist& dist);
-  // Trains to --epochs (or --max-steps), then reports and waits for every rank.
-  void run();
+  // Trains to --epochs (or --max-steps), then reports and waits for every
+  // rank. Returns 0; or, when a preemption signal (SIGTERM, SIGUSR1) reached
+  // any rank, that signal, once every rank has finished the same step and a
+  // checkpoint of that step is written.
+  int run();
 
  private:
   EpochReport train_epoch(int64_t epoch);
@@ -37,7 +44,13 @@ class Trainer {
                  const torch::Tensor& output, const torch::Tensor& labels);
   void test(EpochReport& report);
   void save_checkpoint();
+  // Checkpoints the current step and logs why: preempted by `sig`. Returns it.
+  int stop(int sig);
   void finish();
+  // The preemption signal every rank agrees to stop on, or 0. Each step posts
+  // this rank's vote and reads the sum of the votes posted a step earlier:
+  // every rank stops after the same step, and no rank waits for another.
+  int agreed_signal();
   bool max_steps_reached() const { return opts_.max_steps > 0 && at_.step >= opts_.max_steps; }
   TrainingParts parts() { return {*optimizer_, ddp_->named_parameters(), ddp_->hook()}; }
 
@@ -51,6 +64,9 @@ class Trainer {
   Position at_;
   StepStats stats_;
   int replica_checks_ = 0;
+  torch::Tensor vote_;  // [SIGTERM seen, SIGUSR1 seen], summed over ranks
+  Collectives::Ticket vote_ticket_ = 0;
+  int stop_signal_ = 0;
   std::optional<MetricsFile> metrics_;  // rank 0
   std::optional<RunSummary> summary_;   // rank 0
 };

@@ -19,9 +19,10 @@ void preflight(const Options& opts);
 void configure_worker_process(int local_workers);
 
 // Runs this process as the worker `env` describes: joins the job, trains,
-// and leaves. Returns 0; on an error reports it as one line (to the
-// launcher when one listens) and exits the process at once with 2 for a
-// usage error, 1 for any other.
+// and leaves. Returns 0, or 128 + the signal when SIGTERM or SIGUSR1 stopped
+// training at a checkpointed step; on an error reports it as one line (to
+// the launcher when one listens) and exits the process at once with 2 for
+// a usage error, 1 for any other.
 int run_worker(const Options& opts, const WorkerEnv& env);
 
 }  // namespace mnist_ddp
