@@ -61,6 +61,11 @@ struct ManifestFile {
   uint32_t crc = 0;
 };
 
+const char* const kManifest = "manifest";
+const char* const kPrevious = "manifest.previous";  // the checkpoint before the newest
+
+std::map<std::string, ManifestFile> parse_manifest(const std::string& text, const std::string& manifest, Checkpoint& c);
+
 // The generation of the checkpoint in `dir`, 0 if there is none.
 int64_t current_generation(const std::string& dir) {
   std::ifstream in(files::join(dir, "manifest"));
@@ -197,16 +202,30 @@ void save_checkpoint(const std::string& dir, const Checkpoint& c,
   }
   for (const auto& [name, value] : c.arguments) m << "arg " << name << " " << value << "\n";
   const std::string text = m.str();
-  write_file_atomically(files::join(dir, "manifest"), std::vector<char>(text.begin(), text.end()));
+  // The checkpoint being replaced stays, as the previous one. A kill between
+  // the two renames leaves both manifests naming the same checkpoint.
+  const std::string manifest = files::join(dir, kManifest), previous = files::join(dir, kPrevious);
+  if (files::exists(manifest)) write_file_atomically(previous, read_bytes(manifest));
+  write_file_atomically(manifest, std::vector<char>(text.begin(), text.end()));
   sync_directory(dir);
   done("wrote manifest");
 
-  // What no manifest refers to any more: older checkpoints, and leftovers of
+  // What neither manifest refers to: older checkpoints, and leftovers of
   // saves that were interrupted.
-  std::set<std::string> keep{"manifest"};
+  std::set<std::string> keep{kManifest, kPrevious};
   for (const auto& [role, f] : files) keep.insert(f.name);
+  if (files::exists(previous)) {
+    try {
+      const std::vector<char> bytes = read_bytes(previous);
+      Checkpoint ignored;
+      for (const auto& [role, f] : parse_manifest(std::string(bytes.begin(), bytes.end()), previous, ignored))
+        keep.insert(f.name);
+    } catch (const CheckpointError&) {
+      // An unreadable previous manifest keeps nothing alive.
+    }
+  }
   for (const auto& name : files::list_directory(dir)) {
-    const bool ours = name.rfind("model-", 0) == 0 || name.rfind("training-", 0) == 0 || name.rfind("manifest.tmp", 0) == 0;
+    const bool ours = name.rfind("model-", 0) == 0 || name.rfind("training-", 0) == 0 || name.find(".tmp.") != std::string::npos;
     if (ours && !keep.count(name)) files::remove_file(files::join(dir, name));
   }
   done("removed stale files");
@@ -254,12 +273,14 @@ std::map<std::string, ManifestFile> parse_manifest(const std::string& text, cons
 
 }  // namespace
 
-CheckpointFiles read_checkpoint_files(const std::string& dir) {
-  const std::string manifest = files::join(dir, "manifest");
-  if (!files::is_directory(dir)) throw CheckpointError(dir + " is not a directory holding a checkpoint");
-  if (!files::exists(manifest)) throw CheckpointError("no checkpoint in " + dir + " (it has no manifest)");
+namespace {
+
+// The checkpoint that `manifest_name` in `dir` describes, verified.
+CheckpointFiles read_files(const std::string& dir, const std::string& manifest_name) {
+  const std::string manifest = files::join(dir, manifest_name);
   CheckpointFiles out;
   out.dir = dir;
+  out.manifest_name = manifest_name;
   out.manifest = read_bytes(manifest);
   Checkpoint counters;
   for (const auto& [role, f] : parse_manifest(std::string(out.manifest.begin(), out.manifest.end()), manifest, counters)) {
@@ -275,9 +296,28 @@ CheckpointFiles read_checkpoint_files(const std::string& dir) {
   return out;
 }
 
+}  // namespace
+
+CheckpointFiles read_checkpoint_files(const std::string& dir) {
+  if (!files::is_directory(dir)) throw CheckpointError(dir + " is not a directory holding a checkpoint");
+  if (!files::exists(files::join(dir, kManifest))) throw CheckpointError("no checkpoint in " + dir + " (it has no manifest)");
+  try {
+    return read_files(dir, kManifest);
+  } catch (const CheckpointError& newest) {
+    if (!files::exists(files::join(dir, kPrevious))) throw;
+    try {
+      CheckpointFiles out = read_files(dir, kPrevious);
+      out.fallback = std::string(newest.what()) + "; using the checkpoint before it";
+      return out;
+    } catch (const CheckpointError&) {
+      throw newest;
+    }
+  }
+}
+
 Checkpoint parse_checkpoint(const CheckpointFiles& f) {
   Checkpoint c;
-  const std::string manifest = files::join(f.dir, "manifest");
+  const std::string manifest = files::join(f.dir, f.manifest_name);
   const auto named = parse_manifest(std::string(f.manifest.begin(), f.manifest.end()), manifest, c);
   c.model = deserialize(f.model, "checkpoint file " + files::join(f.dir, named.at("model").name));
   c.training = deserialize(f.training, "checkpoint file " + files::join(f.dir, named.at("training").name));

@@ -66,7 +66,10 @@ std::optional<Checkpoint> receive_checkpoint(const Options& opts, Dist& dist) {
     return std::nullopt;
   }
   CheckpointFiles files;
-  if (dist.rank == 0) files = read_checkpoint_files(dir);
+  if (dist.rank == 0) {
+    files = read_checkpoint_files(dir);
+    if (!files.fallback.empty()) spdlog::warn("{}", files.fallback);
+  }
   files.dir = dir;
   for (auto* bytes : {&files.manifest, &files.model, &files.training}) dist.comm->broadcast_bytes(*bytes);
   return parse_checkpoint(files);

@@ -92,10 +92,32 @@ TEST(Checkpoint, ASaveInterruptedAnywhereLeavesThePreviousOneLoadable) {
     expect_same(loaded, manifest_written ? sample(20 + static_cast<int64_t>(k)) : sample(10));
     save_checkpoint(ckpt, sample(10));  // back to the first one for the next round
   }
-  // No leftovers: a manifest and the two files it names.
+  // No leftovers: the newest and the previous manifest, and the two files each names.
   int regular = 0;
   for (const auto& name : files::list_directory(ckpt)) regular += test::is_regular_file(files::join(ckpt, name));
-  EXPECT_EQ(regular, 3);
+  EXPECT_EQ(regular, 6);
+}
+
+// The checkpoint before the newest stays until the next save, and stands in
+// for a newest one that no longer verifies, saying why.
+TEST(Checkpoint, ThePreviousCheckpointStandsInForADamagedNewestOne) {
+  TempDir dir;
+  const std::string ckpt = dir / "ckpt";
+  save_checkpoint(ckpt, sample(1));
+  const std::string first_model = file_named(ckpt, "model");
+  save_checkpoint(ckpt, sample(2));
+  EXPECT_TRUE(files::exists(first_model));
+  save_checkpoint(ckpt, sample(3));
+  EXPECT_FALSE(files::exists(first_model)) << "only the last two checkpoints are kept";
+  expect_same(load_checkpoint(ckpt), sample(3));
+  EXPECT_TRUE(read_checkpoint_files(ckpt).fallback.empty());
+
+  const std::string model = file_named(ckpt, "model");
+  test::resize_file(model, test::file_size(model) / 2);
+  const CheckpointFiles read = read_checkpoint_files(ckpt);
+  EXPECT_NE(read.fallback.find(model + " is truncated"), std::string::npos) << read.fallback;
+  EXPECT_NE(read.fallback.find("using the checkpoint before it"), std::string::npos) << read.fallback;
+  expect_same(parse_checkpoint(read), sample(2));
 }
 
 TEST(Checkpoint, DamagedOrForeignCheckpointsSayWhatIsWrong) {

@@ -9,10 +9,12 @@
 //   training-<N>.pt       everything else a resumed run needs, as a dict of
 //                         tensors: optimizer momentum, every rank's RNG and
 //                         hook state
+//   manifest.previous     the manifest of the checkpoint before, whose
+//                         files stay until the next save
 // N is the save's generation: one more than the manifest's it replaces. The
-// data files are written first, under names no manifest refers to yet;
-// the manifest is renamed into place last; then files no manifest refers
-// to are removed.
+// data files are written first, under names no manifest refers to yet; the
+// old manifest becomes manifest.previous, the new one is renamed into place
+// last; then files neither manifest refers to are removed.
 #pragma once
 
 #include <torch/torch.h>
@@ -60,11 +62,15 @@ bool has_checkpoint(const std::string& dir);
 // the other ranks, so that every rank parses the same bytes.
 struct CheckpointFiles {
   std::string dir;
+  std::string manifest_name = "manifest";  // or "manifest.previous"
   std::vector<char> manifest, model, training;
+  std::string fallback;  // why the newest checkpoint was passed over; "" when it was not
 };
 
-// Reads `dir`'s manifest and the files it names, verifying each against the
-// manifest's size and CRC32. Throws CheckpointError saying what is wrong.
+// Reads `dir`'s newest checkpoint, verifying each file against the
+// manifest's size and CRC32; when that fails and the previous checkpoint
+// verifies, that one, saying why in `fallback`. Throws CheckpointError
+// saying what is wrong with the newest.
 CheckpointFiles read_checkpoint_files(const std::string& dir);
 
 // Parses files read by read_checkpoint_files. Throws CheckpointError.
