@@ -1,6 +1,6 @@
 #include "mnist_ddp/report.hpp"
 
-#include <spdlog/fmt/fmt.h>
+#include <spdlog/spdlog.h>
 
 #include <cmath>
 #include <cstdio>
@@ -303,9 +303,39 @@ std::string progress_line(int64_t epoch, int64_t done, int64_t total, double ima
 
 // ---- summary.json ----
 
+void StepStats::add_step(double forward_s, double backward_s, double optimizer_s, double waiting_s, int64_t sent,
+                         bool compressed) {
+  ++steps;
+  forward += forward_s;
+  backward += backward_s;
+  optimizer += optimizer_s;
+  waiting += waiting_s;
+  wire_bytes += sent;
+  if (compressed) {
+    ++compressed_steps;
+    compressed_bytes += sent;
+  }
+}
+
 double StepStats::bytes_per_step() const {
   if (compressed_steps > 0) return static_cast<double>(compressed_bytes) / static_cast<double>(compressed_steps);
   return static_cast<double>(wire_bytes) / static_cast<double>(std::max<int64_t>(1, steps));
+}
+
+void log_training(const StepStats& s, int64_t uncompressed_bytes_per_step, const std::string& hook,
+                  int64_t start_powersgd_iter) {
+  if (s.steps == 0) return;
+  const double ms = 1000.0 / static_cast<double>(s.steps);
+  spdlog::info("Training: {} steps in {:.1f} s, {:.0f} images/s, {:.1f} ms/step (forward {:.1f}, backward {:.1f} "
+               "of which {:.1f} waiting on communication, optimizer {:.1f})",
+               s.steps, s.seconds, s.images / s.seconds, s.seconds * ms, s.forward * ms, s.backward * ms,
+               s.waiting * ms, s.optimizer * ms);
+  if (s.compressed_steps == 0)
+    spdlog::warn("PowerSGD never started: --start-powersgd-iter {} is beyond the {} steps run; the next line is "
+                 "the plain allreduce's",
+                 start_powersgd_iter, s.steps);
+  spdlog::info("Compression: {} {:.0f} bytes/step on the wire, {:.2f}x less than none", hook, s.bytes_per_step(),
+               static_cast<double>(uncompressed_bytes_per_step) / s.bytes_per_step());
 }
 
 RunSummary::RunSummary(const std::string& path, Json head, int64_t resumed_epoch)

@@ -4,6 +4,9 @@
 #include <ATen/core/Generator.h>
 #include <spdlog/spdlog.h>
 
+#include <signal.h>
+
+#include <atomic>
 #include <sstream>
 #include <type_traits>
 
@@ -49,7 +52,32 @@ std::vector<std::pair<std::string, torch::Tensor>> own_state(const TrainingParts
   return own;
 }
 
+std::atomic<int> g_preemption_signal{0};
+
+void on_preemption_signal(int sig) { g_preemption_signal = sig; }
+
 }  // namespace
+
+void catch_preemption_signals() {
+  struct sigaction action {};
+  action.sa_handler = on_preemption_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  for (int sig : {SIGTERM, SIGUSR1}) sigaction(sig, &action, nullptr);
+}
+
+int StopVote::after_step() {
+  int agreed = 0;
+  if (votes_.defined()) {
+    dist_.comm->wait(ticket_);
+    const torch::Tensor votes = votes_.cpu();
+    agreed = votes[0].item<double>() > 0 ? SIGTERM : votes[1].item<double>() > 0 ? SIGUSR1 : 0;
+  }
+  const int mine = g_preemption_signal;
+  votes_ = torch::tensor({mine == SIGTERM ? 1.0 : 0.0, mine == SIGUSR1 ? 1.0 : 0.0}, torch::kFloat64).to(dist_.device);
+  ticket_ = dist_.comm->post([votes = votes_](Channel& c) { c.allreduce_sum(votes)->waitAndThrow(); });
+  return agreed;
+}
 
 std::string checkpoint_dir(const Options& opts) { return files::join(opts.path, "checkpoint"); }
 

@@ -6,7 +6,6 @@
 #include <chrono>
 #include <cmath>
 #include <array>
-#include <atomic>
 #include <cstdlib>
 
 #include "mnist_ddp/comm_hooks.hpp"
@@ -20,7 +19,17 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+double seconds_between(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+double seconds_since(Clock::time_point start) { return seconds_between(start, Clock::now()); }
+
+// Throws, naming where, when the loss is NaN or infinite.
+void check_finite(double loss, const Options& opts, const Position& at) {
+  if (std::isfinite(loss)) return;
+  const std::string dir = checkpoint_dir(opts);
+  throw std::runtime_error(fmt::format(
+      "the loss is {} at epoch {}, step {} (batch {}): training diverged; try a smaller --lr{}", loss, at.epoch, at.step,
+      at.batch, has_checkpoint(dir) ? "; the last checkpoint in " + dir + " is intact" : ""));
+}
 
 // Samples whose label is the top prediction, and among the top five.
 std::pair<torch::Tensor, torch::Tensor> correct_counts(const torch::Tensor& output, const torch::Tensor& target) {
@@ -49,10 +58,6 @@ std::function<void(const std::string&)> kill_point() {
   };
 }
 
-std::atomic<int> g_preemption_signal{0};
-
-void on_preemption_signal(int sig) { g_preemption_signal = sig; }
-
 // Seconds since the Unix epoch.
 double unix_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -66,8 +71,9 @@ double launch_time() {
   return launched ? std::atof(launched) : started;
 }
 
-// summary.json's opening: the run's arguments, runtime and world.
-Json summary_head(const Options& opts, const Dist& dist) {
+// summary.json's opening: the run's arguments, runtime and world, and where
+// it resumed from (`resumed`; null for a fresh start).
+Json summary_head(const Options& opts, const Dist& dist, const Position* resumed) {
   Json head = Json::object();
   head["format"] = "mnist_ddp summary 1";
   Json args = Json::object();
@@ -86,6 +92,15 @@ Json summary_head(const Options& opts, const Dist& dist) {
   world["intra_op_threads_of_rank_0"] = at::get_num_threads();
   world["nodes"] = opts.nnodes;
   head["world"] = std::move(world);
+  Json from;
+  if (resumed) {
+    from = Json::object();
+    from["dir"] = resume_dir(opts);
+    from["epoch"] = resumed->epoch;
+    from["batch"] = resumed->batch;
+    from["step"] = resumed->step;
+  }
+  head["resumed_from"] = std::move(from);
   return head;
 }
 
@@ -143,17 +158,10 @@ std::array<double, 3> test_metrics(DistributedDataParallel& ddp, const Dataset& 
 
 }  // namespace
 
-void catch_preemption_signals() {
-  struct sigaction action {};
-  action.sa_handler = on_preemption_signal;
-  sigemptyset(&action.sa_mask);
-  action.sa_flags = SA_RESTART;
-  for (int sig : {SIGTERM, SIGUSR1}) sigaction(sig, &action, nullptr);
-}
-
 Trainer::Trainer(const Options& opts, Dist& dist)
     : opts_(opts),
       dist_(dist),
+      stop_vote_(dist),
       train_(load_dataset(opts.data_dir, opts.dataset, /*train=*/true)),
       test_(load_dataset(opts.data_dir, opts.dataset, /*train=*/false)),
       sampler_(train_.size(), dist.world_size, dist.rank, /*shuffle=*/true, opts.seed),
@@ -174,16 +182,7 @@ Trainer::Trainer(const Options& opts, Dist& dist)
   if (resumed) at_ = restore(*resumed, parts(), opts, dist);
   if (dist.rank == 0) {
     metrics_.emplace(files::join(opts.path, "metrics.csv"), resumed ? at_.step : -1);
-    summary_.emplace(opts.path, summary_head(opts, dist), resumed ? at_.epoch : -1);
-    Json from;  // null: a fresh start
-    if (resumed) {
-      from = Json::object();
-      from["dir"] = resume_dir(opts);
-      from["epoch"] = at_.epoch;
-      from["batch"] = at_.batch;
-      from["step"] = at_.step;
-    }
-    summary_->set("resumed_from", std::move(from));
+    summary_.emplace(opts.path, summary_head(opts, dist, resumed ? &at_ : nullptr), resumed ? at_.epoch : -1);
   }
 }
 
@@ -222,19 +221,6 @@ int Trainer::stop(int sig) {
   return sig;
 }
 
-int Trainer::agreed_signal() {
-  int agreed = 0;
-  if (vote_.defined()) {
-    dist_.comm->wait(vote_ticket_);
-    const torch::Tensor votes = vote_.cpu();
-    agreed = votes[0].item<double>() > 0 ? SIGTERM : votes[1].item<double>() > 0 ? SIGUSR1 : 0;
-  }
-  const int mine = g_preemption_signal;
-  vote_ = torch::tensor({mine == SIGTERM ? 1.0 : 0.0, mine == SIGUSR1 ? 1.0 : 0.0}, torch::kFloat64).to(dist_.device);
-  vote_ticket_ = dist_.comm->post([votes = vote_](Channel& c) { c.allreduce_sum(votes)->waitAndThrow(); });
-  return agreed;
-}
-
 EpochReport Trainer::train_epoch(int64_t epoch) {
   ddp_->train();
   sampler_.set_epoch(epoch);
@@ -271,7 +257,7 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
     images += y.size(0) * dist_.world_size;
     if (metrics_) metrics_->count_step(y.size(0) * dist_.world_size, ddp_->wire().bytes - bytes_before);
     if (b % opts_.log_interval == 0) log_train(report, b, batches, loss, output, y);
-    if ((stop_signal_ = agreed_signal())) break;
+    if ((stop_signal_ = stop_vote_.after_step())) break;
     if (opts_.checkpoint_steps > 0 && at_.step % opts_.checkpoint_steps == 0) save_checkpoint();
     if (progress_shown()) {
       const double value = loss.item<double>();
@@ -316,30 +302,14 @@ torch::Tensor Trainer::step(const torch::Tensor& x, const torch::Tensor& y, torc
   // The model ends in log_softmax, so the reference's cross-entropy on its
   // output equals the negative log-likelihood of that output.
   const torch::Tensor loss = torch::nll_loss(output, y);
-  const double value = loss.item<double>();
-  if (!std::isfinite(value)) {
-    const std::string dir = checkpoint_dir(opts_);
-    throw std::runtime_error(fmt::format(
-        "the loss is {} at epoch {}, step {} (batch {}): training diverged; try a smaller --lr{}", value, at_.epoch,
-        at_.step, at_.batch, has_checkpoint(dir) ? "; the last checkpoint in " + dir + " is intact" : ""));
-  }
+  check_finite(loss.item<double>(), opts_, at_);
   const auto t1 = Clock::now();
   loss.backward();
   const auto t2 = Clock::now();
   optimizer_->step();
   const auto t3 = Clock::now();
-
-  stats_.forward += std::chrono::duration<double>(t1 - t0).count();
-  stats_.backward += std::chrono::duration<double>(t2 - t1).count();
-  stats_.optimizer += std::chrono::duration<double>(t3 - t2).count();
-  stats_.waiting += ddp_->communication_wait_seconds() - waiting_before;
-  const int64_t sent = ddp_->wire().bytes - bytes_before;
-  stats_.wire_bytes += sent;
-  if (compressed) {
-    ++stats_.compressed_steps;
-    stats_.compressed_bytes += sent;
-  }
-  ++stats_.steps;
+  stats_.add_step(seconds_between(t0, t1), seconds_between(t1, t2), seconds_between(t2, t3),
+                  ddp_->communication_wait_seconds() - waiting_before, ddp_->wire().bytes - bytes_before, compressed);
   ++at_.step;
   return loss;
 }
@@ -390,25 +360,11 @@ void Trainer::save_checkpoint() {
 void Trainer::finish() {
   int64_t uncompressed = 0;  // what `none` sends each step
   for (const auto& b : ddp_->buckets()) uncompressed += b.buffer.numel() * b.buffer.element_size();
-  const StepStats& s = stats_;
-  if (s.steps > 0) {
-    const double ms = 1000.0 / static_cast<double>(s.steps);
-    spdlog::info("Training: {} steps in {:.1f} s, {:.0f} images/s, {:.1f} ms/step (forward {:.1f}, backward {:.1f} "
-                 "of which {:.1f} waiting on communication, optimizer {:.1f})",
-                 s.steps, s.seconds, s.images / s.seconds, s.seconds * ms, s.forward * ms, s.backward * ms,
-                 s.waiting * ms, s.optimizer * ms);
-    if (s.compressed_steps == 0)
-      spdlog::warn("PowerSGD never started: --start-powersgd-iter {} is beyond the {} steps run; the next line is "
-                   "the plain allreduce's",
-                   opts_.powersgd.start_iter, s.steps);
-  }
+  log_training(stats_, uncompressed, ddp_->hook().name(), opts_.powersgd.start_iter);
   if (summary_) {
-    summary_->finish(s, uncompressed, ddp_->hook().name(), dist_.world_size, replica_checks_);
+    summary_->finish(stats_, uncompressed, ddp_->hook().name(), dist_.world_size, replica_checks_);
     summary_->write();
   }
-  if (s.steps > 0)
-    spdlog::info("Compression: {} {:.0f} bytes/step on the wire, {:.2f}x less than none", ddp_->hook().name(),
-                 s.bytes_per_step(), uncompressed / s.bytes_per_step());
   // Checked after each epoch; no epoch run: as DDP broadcast them.
   spdlog::info("Replicas: all {} ranks hold identical parameters", dist_.world_size);
   dist_.comm->barrier();  // nobody leaves while a peer still needs the store

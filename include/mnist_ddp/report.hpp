@@ -101,10 +101,20 @@ struct StepStats {
   int64_t compressed_bytes = 0;  // ...and what those steps sent
   int64_t compression_started_at = -1;  // the step it started at; -1: not in this run
 
+  // Counts a step: its seconds in forward, backward and the optimizer, of
+  // which `waiting` on communication, and what it sent.
+  void add_step(double forward_s, double backward_s, double optimizer_s, double waiting_s, int64_t sent,
+                bool compressed);
   // Bytes on the wire per step once compression started; if it never did,
   // over every step (what the plain allreduce sends).
   double bytes_per_step() const;
 };
+
+// The end-of-run log lines: where a step's time went, and what the hook
+// `hook` sent against `uncompressed_bytes_per_step` (what `none` sends).
+// Nothing when no step ran.
+void log_training(const StepStats& s, int64_t uncompressed_bytes_per_step, const std::string& hook,
+                  int64_t start_powersgd_iter);
 
 // A training epoch's (or, cut short by --max-steps, part epoch's) figures.
 struct EpochReport {

@@ -55,4 +55,24 @@ Position restore(const Checkpoint& c, const TrainingParts& parts, const Options&
 std::optional<Checkpoint> capture(const Position& at, const torch::nn::Module& model, const TrainingParts& parts,
                                   const Options& opts, const Dist& dist);
 
+// Preemption. From catch_preemption_signals() on, SIGTERM and SIGUSR1 no
+// longer end the process: they are noted, and a StopVote turns them into a
+// step that every rank stops after.
+void catch_preemption_signals();
+
+class StopVote {
+ public:
+  explicit StopVote(Dist& dist) : dist_(dist) {}
+  // Collective, once after each training step on every rank: posts this
+  // rank's vote (the signal it has seen, if any) and returns the signal the
+  // ranks voted for a step earlier, or 0. The vote it reads was posted a
+  // step ago, so no rank waits for another.
+  int after_step();
+
+ private:
+  Dist& dist_;
+  torch::Tensor votes_;  // [SIGTERM seen, SIGUSR1 seen], summed over ranks
+  Collectives::Ticket ticket_ = 0;
+};
+
 }  // namespace mnist_ddp

@@ -21,10 +21,6 @@
 
 namespace mnist_ddp {
 
-// From now on, SIGTERM and SIGUSR1 ask the Trainer to stop at a step
-// boundary with a checkpoint (run()) instead of ending the process.
-void catch_preemption_signals();
-
 class Trainer {
  public:
   // Loads the data, builds the model, DDP and the optimizer, and resumes
@@ -47,15 +43,12 @@ class Trainer {
   // Checkpoints the current step and logs why: preempted by `sig`. Returns it.
   int stop(int sig);
   void finish();
-  // The preemption signal every rank agrees to stop on, or 0. Each step posts
-  // this rank's vote and reads the sum of the votes posted a step earlier:
-  // every rank stops after the same step, and no rank waits for another.
-  int agreed_signal();
   bool max_steps_reached() const { return opts_.max_steps > 0 && at_.step >= opts_.max_steps; }
   TrainingParts parts() { return {*optimizer_, ddp_->named_parameters(), ddp_->hook()}; }
 
   const Options& opts_;
   Dist& dist_;
+  StopVote stop_vote_;
   Dataset train_, test_;
   DistributedSampler sampler_;
   torch::Tensor test_indices_;
@@ -64,9 +57,7 @@ class Trainer {
   Position at_;
   StepStats stats_;
   int replica_checks_ = 0;
-  torch::Tensor vote_;  // [SIGTERM seen, SIGUSR1 seen], summed over ranks
-  Collectives::Ticket vote_ticket_ = 0;
-  int stop_signal_ = 0;
+  int stop_signal_ = 0;  // the preemption signal the ranks agreed to stop on
   std::optional<MetricsFile> metrics_;  // rank 0
   std::optional<RunSummary> summary_;   // rank 0
 };
