@@ -176,6 +176,7 @@ TEST(Resume, StoppedPreemptedAndKilledRunsEndAsTheStraightRun) {
       EXPECT_NE(console.find("was killed by signal 9 (Killed); stopping the other workers; restart " + std::to_string(r) + " of 5"),
                 std::string::npos) << console;
     EXPECT_EQ(console.find("restart 4 of 5"), std::string::npos) << console;
+    EXPECT_TRUE(test::processes_mentioning(killed).empty()) << "a worker of the killed run outlived it";
     expect_same_end(killed, straight);
   }
 }

@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -278,6 +279,19 @@ inline std::vector<pid_t> children_of(pid_t pid) {
     long ppid = 0;
     rest >> state >> ppid;
     if (ppid == pid) out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+// Processes other than this one whose command line holds `piece`.
+inline std::vector<pid_t> processes_mentioning(const std::string& piece) {
+  std::vector<pid_t> out;
+  for (const auto& name : files::list_directory("/proc")) {
+    if (name.find_first_not_of("0123456789") != std::string::npos || std::stoi(name) == getpid()) continue;
+    std::ifstream in("/proc/" + name + "/cmdline", std::ios::binary);
+    std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+    if (cmdline.find(piece) != std::string::npos) out.push_back(std::stoi(name));
   }
   return out;
 }

@@ -1,5 +1,5 @@
-// A run's checkpoints: what one holds besides the weights and how a run
-// takes it back.
+// A run's checkpoints: what one holds besides the weights, how a run takes
+// it back, and how a preemption signal becomes a step every rank stops at.
 //
 // Each call runs on the calling (training) thread. The ones marked
 // "collective" go through the rank's collective stream and block until every
