@@ -88,18 +88,20 @@ std::string resume_dir(const Options& opts) {
 }
 
 std::optional<Checkpoint> receive_checkpoint(const Options& opts, Dist& dist) {
-  const std::string dir = resume_dir(opts);
-  if (dir.empty()) {
+  // Rank 0's disk decides for every rank: another node may hold no
+  // checkpoint (its own --path), or an older one.
+  CheckpointFiles files;
+  files.dir = resume_dir(opts);
+  if (dist.rank == 0 && !files.dir.empty()) {
+    files = read_checkpoint_files(files.dir);
+    if (!files.fallback.empty()) spdlog::warn("{}", files.fallback);
+  }
+  dist.comm->broadcast_bytes(files.manifest);
+  if (files.manifest.empty()) {
     if (opts.resume == "auto") spdlog::info("No checkpoint in {}: starting afresh", checkpoint_dir(opts));
     return std::nullopt;
   }
-  CheckpointFiles files;
-  if (dist.rank == 0) {
-    files = read_checkpoint_files(dir);
-    if (!files.fallback.empty()) spdlog::warn("{}", files.fallback);
-  }
-  files.dir = dir;
-  for (auto* bytes : {&files.manifest, &files.model, &files.training}) dist.comm->broadcast_bytes(*bytes);
+  for (auto* bytes : {&files.model, &files.training}) dist.comm->broadcast_bytes(*bytes);
   return parse_checkpoint(files);
 }
 

@@ -64,6 +64,22 @@ TEST_F(MultiNode, TwoLaunchersOfDifferentSizesAndThreadCountsTrainAsOneJobUnderE
   }
 }
 
+// Each node writes under its own --path, and only rank 0 checkpoints: on
+// --resume auto, node 1 has no checkpoint of its own and follows node 0's.
+TEST_F(MultiNode, AResumedJobFollowsTheCheckpointOnNode0) {
+  const std::string out0 = dir_ / "n0", out1 = dir_ / "n1";
+  for (const auto& extra : {std::vector<std::string>{}, {"--epochs", "2", "--resume", "auto"}}) {
+    Process node1(node(1, 1, out1, extra), out1 + ".txt");
+    Process node0(node(0, 1, out0, extra), out0 + ".txt");
+    EXPECT_EQ(exit_code(node0.wait(120s)), 0) << read_text(out0 + ".txt");
+    EXPECT_EQ(exit_code(node1.wait(30s)), 0) << read_text(out1 + ".txt");
+  }
+  EXPECT_FALSE(files::exists(out1 + "/checkpoint"));
+  const std::string log = read_text(out0 + "/mnist_train.log");
+  EXPECT_NE(log.find("Resuming from " + out0 + "/checkpoint: epoch 1, batch 0"), std::string::npos) << log;
+  EXPECT_NE(log.find("Test Epoch: 1:"), std::string::npos) << log;
+}
+
 TEST_F(MultiNode, TorchrunStyleProcessesRunAsOneWorkerEachWithoutForking) {
   std::vector<std::unique_ptr<Process>> ranks;
   const std::vector<std::string> args = {"--backend", "gloo", "--compression", "none", "--epochs", "1",

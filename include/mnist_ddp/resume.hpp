@@ -33,9 +33,10 @@ std::string checkpoint_dir(const Options& opts);
 // The checkpoint --resume names, or "" for a fresh start.
 std::string resume_dir(const Options& opts);
 
-// Collective. Rank 0 reads the checkpoint --resume names (throws
+// Collective. Rank 0 reads the checkpoint its --resume names (throws
 // CheckpointError) and sends its files to every rank; each rank parses the
-// same bytes. nullopt on every rank for a fresh start.
+// same bytes. Rank 0 decides for all: nullopt on every rank when it starts
+// afresh, whatever the other nodes' disks hold.
 std::optional<Checkpoint> receive_checkpoint(const Options& opts, Dist& dist);
 
 // What a checkpoint saves and restores besides the model's weights.
