@@ -12,7 +12,9 @@
 #      --steps steps, --rounds alternating rounds, medians;
 #   3. scaling efficiency: 2-process images/s over twice the per-core limit;
 #   4. end to end: launch to the end of one full epoch, evaluation and model
-#      save included, for none and for powersgd_fp16 (compressing from step 10).
+#      save included, for none and for powersgd_fp16 (compressing from step 10);
+#   5. on CPU, a profile by operator of rank 0's step (2 processes,
+#      SyncBatchNorm, none), by self time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=300 rounds=2 gpu=()
@@ -48,6 +50,8 @@ done
 if [ -z "${gpu[*]}" ]; then
   echo "bench: where a 2-process step's time goes" >&2
   echo "breakdown=$("$bench" breakdown 40)" >>"$facts"
+  echo "bench: a 2-process step under LibTorch's profiler" >&2
+  profiled_ms=$("$bench" profile 30 "$out/trace.json")
 fi
 
 echo "bench: the five hooks, $rounds round(s) of $steps steps" >&2
@@ -79,3 +83,9 @@ done
 } >>"$facts"
 mkdir -p bench
 python3 scripts/bench_report.py bench "$facts" bench/results.json "$out"/hooks/*/
+if [ -z "${gpu[*]}" ]; then
+  echo
+  echo "Where rank 0's step goes by operator (2 processes, SyncBatchNorm, none; $profiled_ms ms/step with the profiler on):"
+  echo
+  python3 scripts/bench_report.py profile "$out/trace.json" 30 "$profiled_ms"
+fi

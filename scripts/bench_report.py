@@ -4,6 +4,9 @@
     python3 scripts/bench_report.py hooks RUN_DIR...   prints the hooks table
     python3 scripts/bench_report.py bench FACTS JSON RUN_DIR...
         prints scripts/bench.sh's table and writes its figures to JSON
+    python3 scripts/bench_report.py profile TRACE STEPS MS_PER_STEP
+        prints the operators that take a profiled step's time (the Chrome
+        trace of `mnist_ddp_bench profile`), by self time
 
 Each RUN_DIR is one run's --path; runs of the same --compression are
 repeats, summarised by their median. FACTS holds scripts/bench.sh's other
@@ -158,9 +161,38 @@ def bench_table(facts_path, json_path, run_dirs):
         f.write("\n")
 
 
+def profile_table(trace_path, steps, ms_per_step, top=12):
+    """Self time per operator: each event's duration less its children's, on its own thread."""
+    with open(trace_path) as f:
+        events = [e for e in json.load(f) if e.get("ph") == "X"]
+    self_us, calls = {}, {}
+    for tid in {e["tid"] for e in events}:
+        stack = []  # open events: [end, name, children's time]
+        for e in sorted((e for e in events if e["tid"] == tid), key=lambda e: (e["ts"], -e["dur"])):
+            while stack and stack[-1][0] <= e["ts"]:
+                end, name, children, dur = stack.pop()
+                self_us[name] = self_us.get(name, 0) + dur - children
+            if stack:
+                stack[-1][2] += e["dur"]
+            stack.append([e["ts"] + e["dur"], e["name"], 0.0, e["dur"]])
+            calls[e["name"]] = calls.get(e["name"], 0) + 1
+        for end, name, children, dur in stack:
+            self_us[name] = self_us.get(name, 0) + dur - children
+    total = sum(self_us.values()) / 1000 / steps
+    print(f"| operator (self time) | ms/step | share of the step | calls/step |\n|---|---:|---:|---:|")
+    for name, us in sorted(self_us.items(), key=lambda kv: -kv[1])[:top]:
+        ms = us / 1000 / steps
+        print(f"| {name} | {ms:.2f} | {100 * ms / ms_per_step:.0f}% | {calls[name] / steps:.0f} |")
+    print(f"| all operators | {total:.2f} | {100 * total / ms_per_step:.0f}% | |")
+    print(f"| outside any operator (waiting, DDP and hook bookkeeping, profiler) | {ms_per_step - total:.2f} "
+          f"| {100 * (ms_per_step - total) / ms_per_step:.0f}% | |")
+
+
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "hooks":
         hooks_table(sys.argv[2:])
+    elif len(sys.argv) == 5 and sys.argv[1] == "profile":
+        profile_table(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
     elif len(sys.argv) >= 5 and sys.argv[1] == "bench":
         bench_table(sys.argv[2], sys.argv[3], sys.argv[4:])
     else:

@@ -6,6 +6,10 @@
 //                                      per step with BatchNorm2d or
 //                                      SyncBatchNorm, each with DDP keeping
 //                                      local gradients or averaging them
+//   mnist_ddp_bench profile STEPS TRACE  rank 0 of 2 processes (SyncBatchNorm,
+//                                      DDP averaging) under LibTorch 1.x's
+//                                      profiler; prints ms/step, writes a
+//                                      Chrome trace to TRACE
 //   mnist_ddp_bench compute-limit [STEPS] [--plain | --cuda]
 //                                      one process on one core, no DDP, no
 //                                      communication: Net's training step at
@@ -17,10 +21,15 @@
 #include <unistd.h>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR < 2
+#include <torch/csrc/autograd/profiler_legacy.h>
+#endif
 
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -80,8 +89,10 @@ class LocalHook : public CommHook {
   FuturePtr run(GradBucket& bucket, Wire&) override { return completed_future(bucket.buffer); }
 };
 
-// Milliseconds per training step of Net under DDP, batch 32.
-double ms_per_step(Dist& dist, bool sync_bn, int steps, bool communicate = true) {
+// Milliseconds per training step of Net under DDP, batch 32. With `trace`,
+// the timed steps run under LibTorch's profiler, which writes a Chrome trace
+// there (LibTorch 1.x).
+double ms_per_step(Dist& dist, bool sync_bn, int steps, bool communicate = true, const std::string& trace = "") {
   torch::manual_seed(0);
   Net net;
   if (sync_bn) convert_sync_batchnorm(*net, dist.comm);
@@ -99,8 +110,26 @@ double ms_per_step(Dist& dist, bool sync_bn, int steps, bool communicate = true)
   for (int i = 0; i < 5; ++i) step();
   dist.comm->barrier();
   const auto start = Clock::now();
-  for (int i = 0; i < steps; ++i) step();
+  {
+#if TORCH_VERSION_MAJOR < 2
+    std::optional<torch::autograd::profiler::RecordProfile> profiled;
+    if (!trace.empty()) profiled.emplace(trace);
+#else
+    if (!trace.empty()) throw std::runtime_error("profile: this needs LibTorch 1.x's legacy profiler");
+#endif
+    for (int i = 0; i < steps; ++i) step();
+  }
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count() / steps;
+}
+
+// Rank 0's steps of a 2-process run (Net with SyncBatchNorm, DDP averaging)
+// under the profiler, its trace written to `trace`.
+int profile(int steps, const std::string& trace) {
+  const bool ok = run_processes(2, [&](Dist& dist) {
+    const double ms = ms_per_step(dist, true, steps, true, dist.rank == 0 ? trace : "");
+    if (dist.rank == 0) std::printf("%.2f\n", ms);
+  });
+  return ok ? 0 : 1;
 }
 
 int sync_bn(int steps) {
@@ -186,6 +215,7 @@ int main(int argc, char** argv) {
   const std::string what = argc > 1 ? argv[1] : "";
   if (what == "sync-bn") return mnist_ddp::sync_bn(argc > 2 ? std::stoi(argv[2]) : 40);
   if (what == "breakdown") return mnist_ddp::breakdown(argc > 2 ? std::stoi(argv[2]) : 40);
+  if (what == "profile" && argc > 3) return mnist_ddp::profile(std::stoi(argv[2]), argv[3]);
   if (what == "compute-limit")
     return mnist_ddp::compute_limit(argc > 2 ? std::stoi(argv[2]) : 100, argc > 3 ? argv[3] : "");
   std::cerr << "usage: mnist_ddp_bench sync-bn [STEPS] | breakdown [STEPS] | compute-limit [STEPS] [--plain | --cuda]\n";
