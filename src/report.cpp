@@ -208,33 +208,22 @@ void Json::write(std::string& out, int indent) const {
       break;
     case Kind::kString: write_string(out, text_); break;
     case Kind::kArray:
-      if (items_.empty()) {
-        out += "[]";
-        break;
+    case Kind::kObject: {
+      // One element a line, indented; "[]" or "{}" when empty.
+      const bool array = kind_ == Kind::kArray;
+      const size_t n = array ? items_.size() : members_.size();
+      out += array ? "[" : "{";
+      for (size_t i = 0; i < n; ++i) {
+        out += (i ? ",\n" : "\n") + pad;
+        if (!array) {
+          write_string(out, members_[i].first);
+          out += ": ";
+        }
+        (array ? items_[i] : members_[i].second).write(out, indent + 2);
       }
-      out += "[\n";
-      for (size_t i = 0; i < items_.size(); ++i) {
-        out += pad;
-        items_[i].write(out, indent + 2);
-        out += i + 1 < items_.size() ? ",\n" : "\n";
-      }
-      out += end + "]";
+      out += (n ? "\n" + end : "") + (array ? "]" : "}");
       break;
-    case Kind::kObject:
-      if (members_.empty()) {
-        out += "{}";
-        break;
-      }
-      out += "{\n";
-      for (size_t i = 0; i < members_.size(); ++i) {
-        out += pad;
-        write_string(out, members_[i].first);
-        out += ": ";
-        members_[i].second.write(out, indent + 2);
-        out += i + 1 < members_.size() ? ",\n" : "\n";
-      }
-      out += end + "}";
-      break;
+    }
   }
 }
 

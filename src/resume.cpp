@@ -28,9 +28,12 @@ typename Map::key_type optimizer_key(const Map&, const torch::Tensor& parameter)
   }
 }
 
-// The default generator of `device`: the CPU's, or the GPU's.
-at::Generator generator(const torch::Device& device) {
-  return device.is_cuda() ? at::globalContext().defaultGenerator(device) : at::detail::getDefaultCPUGenerator();
+// The random streams a rank draws from, each with its checkpoint name: the
+// CPU's default generator, and its GPU's when it trains on one.
+std::vector<std::pair<std::string, at::Generator>> generators(const Dist& dist) {
+  std::vector<std::pair<std::string, at::Generator>> out = {{"rng/cpu", at::detail::getDefaultCPUGenerator()}};
+  if (dist.device.is_cuda()) out.emplace_back("rng/cuda", at::globalContext().defaultGenerator(dist.device));
+  return out;
 }
 
 // Checkpoint keys. Shared hook state: "hook/<name>"; what belongs to rank r:
@@ -42,11 +45,9 @@ std::string rank_prefix(int rank) { return "rank/" + std::to_string(rank) + "/";
 // What only this rank has, named as under its rank_prefix.
 std::vector<std::pair<std::string, torch::Tensor>> own_state(const TrainingParts& parts, const Dist& dist) {
   std::vector<std::pair<std::string, torch::Tensor>> own;
-  for (const torch::Device& d : {torch::Device(torch::kCPU), dist.device}) {
-    if (d.is_cpu() && !own.empty()) break;  // the CPU's, once
-    auto g = generator(d);
+  for (auto& [name, g] : generators(dist)) {
     std::lock_guard<std::mutex> lock(g.mutex());
-    own.emplace_back(d.is_cuda() ? "rng/cuda" : "rng/cpu", g.get_state());
+    own.emplace_back(name, g.get_state());
   }
   for (const auto& [key, value] : parts.hook.state().own) own.emplace_back(kHook + key, value);
   return own;
@@ -127,10 +128,9 @@ Position restore(const Checkpoint& c, const TrainingParts& parts, const Options&
   }
   const std::string own = rank_prefix(dist.rank);
   if (same_world) {
-    for (const torch::Device& d : {torch::Device(torch::kCPU), dist.device}) {
-      auto g = generator(d);
+    for (auto& [name, g] : generators(dist)) {
       std::lock_guard<std::mutex> lock(g.mutex());
-      g.set_state(c.training.at(own + (d.is_cuda() ? "rng/cuda" : "rng/cpu")));
+      g.set_state(c.training.at(own + name));
     }
   }
   if (same_hook) {
