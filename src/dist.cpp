@@ -34,7 +34,7 @@
 // interface and has no option to choose one, but a store reachable from the
 // network lets anyone there join or disturb the job. The mnist_ddp
 // executable exports this bind() (see CMakeLists.txt), so LibTorch's calls
-// land here: while rank 0 creates its store, a wildcard address is narrowed
+// land here: while open_store() hosts a store, a wildcard address is narrowed
 // to --master-addr's (loopback for a single-node run) and the IPv6 wildcard
 // is refused, so that the store falls back to that IPv4 address. Every other
 // bind passes through unchanged.
@@ -107,8 +107,6 @@ std::string local_address_towards(const std::string& host) {
   return address;
 }
 
-std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
-std::string text_of(const std::vector<uint8_t>& b) { return std::string(b.begin(), b.end()); }
 
 // Waits for `keys`; on timeout throws `describe(missing keys)`.
 void wait_for(c10d::Store& store, const std::vector<std::string>& keys, std::chrono::milliseconds timeout,
@@ -121,7 +119,7 @@ void wait_for(c10d::Store& store, const std::vector<std::string>& keys, std::chr
       for (const auto& k : keys)
         if (!store.check({k})) missing.push_back(k);
     } catch (const std::exception& e) {
-      throw PeerLost("lost the rendezvous store (its host, rank 0, stopped): " + error_text(e));
+      throw PeerLost("lost the rendezvous store (its host stopped): " + error_text(e));
     }
     if (missing.empty()) throw;
     throw std::runtime_error(describe(missing));
@@ -203,7 +201,7 @@ class Heartbeat {
       try {
         store_->set(key_, bytes_of(std::to_string(n)));
       } catch (const std::exception&) {
-        return;  // the store is gone: so is rank 0, and someone will say so
+        return;  // the store is gone: so is its host, and someone will say so
       }
       lock.lock();
       cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stopping_; });
@@ -253,8 +251,8 @@ std::shared_ptr<Collectives> make_collectives(const StorePtr& store, const std::
   } catch (const std::exception& e) {
     try {
       store->check({"settings/0"});
-    } catch (const std::exception&) {  // rank 0 stopped, and whoever stopped it says why
-      throw PeerLost("lost the rendezvous store (its host, rank 0, stopped): " + error_text(e));
+    } catch (const std::exception&) {  // the store's host stopped, and whoever stopped it says why
+      throw PeerLost("lost the rendezvous store (its host stopped): " + error_text(e));
     }
     throw std::runtime_error("could not form the process group with all " + std::to_string(world_size) +
                              " ranks within " + std::to_string(timeout.count() / 1000) + " s (" + error_text(e) + ")");
@@ -277,6 +275,36 @@ Dist make_dist(StorePtr store, int rank, int world_size, const std::string& back
   return d;
 }
 
+std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+std::string text_of(const std::vector<uint8_t>& b) { return std::string(b.begin(), b.end()); }
+
+c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port, bool host,
+                                              std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<std::uint16_t>(port);
+  so.isServer = host;
+  so.waitWorkers = false;  // the world size may not be known yet; connect() waits for the ranks
+  so.timeout = timeout;
+  try {
+    if (host) g_store_address = ipv4_address(addr);
+    auto store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    g_store_address = INADDR_NONE;
+    return store;
+  } catch (const std::exception& e) {
+    g_store_address = INADDR_NONE;
+    const std::string why = error_text(e);
+    if (host) {
+      if (why.find("Address already in use") != std::string::npos || why.find("errno: 98") != std::string::npos ||
+          why.find("EADDRINUSE") != std::string::npos)
+        throw std::runtime_error("--master-port " + std::to_string(port) +
+                                 " is already in use on this machine; choose another port or 0 for a free one");
+      throw std::runtime_error("cannot host the rendezvous store at " + addr + ":" + std::to_string(port) + ": " + why);
+    }
+    throw std::runtime_error("could not reach the rendezvous store at " + addr + ":" + std::to_string(port) +
+                             " within " + std::to_string(timeout.count() / 1000) + " s (" + why + ")");
+  }
+}
+
 Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_seconds, const Settings& settings) {
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
   const auto seconds = std::to_string(static_cast<int64_t>(timeout_seconds)) + " s";
@@ -294,38 +322,9 @@ Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_se
     use_device(device);
   }
 
-  // ---- The store, hosted by rank 0: node 0's first worker. ----
-  const bool host = env.rank >= 0 ? env.rank == 0 : env.node_rank == 0 && env.local_rank == 0;
-  c10d::TCPStoreOptions so;
-  so.port = static_cast<std::uint16_t>(env.master_port);
-  so.isServer = host;
-  so.waitWorkers = false;  // the world size may not be known yet; the steps below wait
-  so.timeout = timeout;
-  c10::intrusive_ptr<c10d::TCPStore> store;
-  try {
-    if (host) g_store_address = ipv4_address(env.master_addr);
-    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
-    g_store_address = INADDR_NONE;
-  } catch (const std::exception& e) {
-    g_store_address = INADDR_NONE;
-    const std::string why = error_text(e);
-    if (host) {
-      if (why.find("Address already in use") != std::string::npos || why.find("errno: 98") != std::string::npos ||
-          why.find("EADDRINUSE") != std::string::npos)
-        throw std::runtime_error("--master-port " + std::to_string(env.master_port) +
-                                 " is already in use on this machine; choose another port or 0 for a free one");
-      throw std::runtime_error("cannot host the rendezvous store at " + env.master_addr + ":" +
-                               std::to_string(env.master_port) + ": " + why);
-    }
-    throw std::runtime_error("could not reach the rendezvous store at " + env.master_addr + ":" +
-                             std::to_string(env.master_port) + " within " + seconds + " (" + why + ")");
-  }
-  if (env.port_report_fd >= 0) {
-    const std::string port = std::to_string(store->getPort()) + "\n";
-    const bool sent = write(env.port_report_fd, port.data(), port.size()) == static_cast<ssize_t>(port.size());
-    close(env.port_report_fd);
-    if (!sent) throw std::runtime_error("could not report the store's port to the launcher");
-  }
+  // ---- The store: our launcher's (node 0's), else rank 0's. ----
+  StorePtr store = open_store(env.master_addr, env.master_port, env.round < 0 && env.rank == 0, timeout);
+  if (env.round >= 0) store = c10::make_intrusive<c10d::PrefixStore>("round/" + std::to_string(env.round), store);
 
   // ---- Ranks: given by torchrun or Slurm, else agreed by the nodes. ----
   int rank = env.rank, world_size = env.world_size;

@@ -1,5 +1,6 @@
 #include "mnist_ddp/launcher.hpp"
 #include "mnist_ddp/checkpoint.hpp"
+#include "mnist_ddp/dist.hpp"
 #include "mnist_ddp/files.hpp"
 
 #include <fcntl.h>
@@ -121,7 +122,7 @@ class Launcher {
 
   ~Launcher() {
     stop_all();
-    for (int fd : {signal_fd_, port_fd_, error_fd_, error_write_fd_})
+    for (int fd : {signal_fd_, error_fd_, error_write_fd_})
       if (fd >= 0) close(fd);
     sigprocmask(SIG_SETMASK, &old_mask_, nullptr);
   }
@@ -130,7 +131,9 @@ class Launcher {
     workers_.resize(placement_.local_workers);
     for (int r = 0; r < placement_.local_workers; ++r) workers_[r].rank = r;
 
-    // Signals are taken from a signalfd, so none can arrive between two checks.
+    // Signals are taken from a signalfd, so none can arrive between two
+    // checks. They are blocked before the store starts its threads, which
+    // would otherwise take (and drop) SIGCHLD.
     sigset_t mask;
     sigemptyset(&mask);
     for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGCHLD}) sigaddset(&mask, sig);
@@ -141,27 +144,32 @@ class Launcher {
     if (pipe2(error_pipe, O_CLOEXEC | O_NONBLOCK) != 0) fail_errno("pipe");
     error_fd_ = error_pipe[0];
     error_write_fd_ = error_pipe[1];
+    if (const int code = open_job_store(); code >= 0) return code;
 
     std::vector<std::string> argv = argv_;
     bool resuming = false;  // argv ends in --resume auto
-    for (int restarts = 0;; ++restarts) {
+    for (round_ = 0;; ++round_) {
       const int code = start_and_supervise(argv);
-      if (code == 0 || interrupted_ || code == 2 || restarts == opts_.max_restarts) {
+      const bool again = code != 0 && !interrupted_ && code != 2 && round_ < opts_.max_restarts;
+      if (!again || !join_restart()) {
         if (!failure_.empty())
           std::cerr << "mnist_ddp: error: " << failure_
-                    << (restarts > 0 ? " (restarted " + std::to_string(restarts) + " times; no restart left)" : "")
+                    << (round_ > 0 ? " (restarted " + std::to_string(round_) + " times; no restart left)" : "")
                     << std::endl;
+        if (code != 0) refuse_restart();
         return code;
       }
-      // The whole node again, from the newest complete checkpoint.
+      // Every node again, from the newest complete checkpoint (rank 0's, on node 0).
       const std::string dir = files::join(opts_.path, "checkpoint");
-      const std::optional<Checkpoint> at = read_manifest(dir);
-      std::cout << "mnist_ddp: " << failure_ << "; restart " << restarts + 1 << " of " << opts_.max_restarts
-                << (at ? " from the checkpoint of step " + std::to_string(at->step) + " in " + dir
-                       : std::string(" from the start: no checkpoint yet"))
+      const std::optional<Checkpoint> at = opts_.node_rank == 0 ? read_manifest(dir) : std::nullopt;
+      std::cout << "mnist_ddp: " << failure_ << "; restart " << round_ + 1 << " of " << opts_.max_restarts
+                << (opts_.node_rank > 0 ? std::string(" from node 0's newest checkpoint")
+                    : at ? " from the checkpoint of step " + std::to_string(at->step) + " in " + dir
+                         : std::string(" from the start: no checkpoint yet"))
                 << std::endl;
-      if (at && !resuming) argv.insert(argv.end(), {"--resume", "auto"});  // the last --resume wins
-      resuming |= at.has_value();
+      // --resume auto starts from the beginning where node 0 has no checkpoint yet.
+      if (!resuming) argv.insert(argv.end(), {"--resume", "auto"});  // the last --resume wins
+      resuming = true;
       // The restarted workers time their start-up from now.
       setenv("MNIST_DDP_LAUNCH_TIME",
              std::to_string(std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count()).c_str(), 1);
@@ -172,80 +180,145 @@ class Launcher {
   }
 
  private:
+  // The store outlives the workers, so the nodes can agree on a restart
+  // through it. Node 0 hosts it; another node waits for it up to --timeout,
+  // answering signals meanwhile. Returns -1 once it is open, else the exit code.
+  int open_job_store() {
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(opts_.timeout * 1000));
+    if (opts_.node_rank == 0) {
+      store_ = open_store(opts_.master_addr, opts_.master_port, true, timeout);
+      return -1;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      try {
+        store_ = open_store(opts_.master_addr, opts_.master_port, false, std::chrono::seconds(1));
+        return -1;
+      } catch (const std::runtime_error&) {
+        if (std::chrono::steady_clock::now() >= deadline)
+          throw std::runtime_error("could not reach node 0's store at " + opts_.master_addr + ":" +
+                                   std::to_string(opts_.master_port) + " within " +
+                                   std::to_string(static_cast<int64_t>(opts_.timeout)) +
+                                   " s: start mnist_ddp there with --node-rank 0");
+      }
+      pollfd fd = {signal_fd_, POLLIN, 0};
+      if (poll(&fd, 1, 0) > 0) {
+        if (const int code = handle_signal(); code >= 0) return code;
+      }
+    }
+  }
+
   // Starts the node's workers and supervises them until they have all exited.
   int start_and_supervise(const std::vector<std::string>& argv) {
-    int port = opts_.master_port;
-    if (port == 0) {
-      // Rank 0 binds a free port and tells us which, before the others start:
-      // no port is ever guessed, so concurrent jobs cannot collide.
-      int fds[2];
-      if (pipe2(fds, O_CLOEXEC) != 0) fail_errno("pipe");
-      port_fd_ = fds[0];
-      spawn(workers_[0], argv, 0, fds[1]);
-      close(fds[1]);
-      if (const int code = wait_for_port(port); code >= 0) return code;
-      for (size_t r = 1; r < workers_.size(); ++r) spawn(workers_[r], argv, port, -1);
-    } else {
-      for (auto& w : workers_) spawn(w, argv, port, -1);
-    }
+    for (auto& w : workers_) spawn(w, argv);
     return supervise();
   }
 
-  void spawn(Worker& w, const std::vector<std::string>& argv, int port, int report_fd) {
+  void spawn(Worker& w, const std::vector<std::string>& argv) {
     WorkerEnv we;
     we.local_rank = w.rank;
     we.local_world_size = static_cast<int>(workers_.size());
     we.node_rank = opts_.node_rank;
     we.nnodes = opts_.nnodes;
     we.master_addr = opts_.master_addr;
-    we.master_port = port;
-    we.port_report_fd = report_fd;
+    we.master_port = static_cast<int>(store_->getPort());
+    we.round = round_;
     we.error_report_fd = error_write_fd_;
     const auto env = worker_environment(we, std::vector<std::string>(environ, environ + env_count()),
                                         static_cast<int>(std::thread::hardware_concurrency()));
-    w.pid = start_worker(argv, env, {report_fd, error_write_fd_}, old_mask_);
+    w.pid = start_worker(argv, env, {error_write_fd_}, old_mask_);
     w.running = true;
   }
 
-  // Returns -1 once the port is known, else the launcher's exit code.
-  int wait_for_port(int& port) {
-    std::string text;
-    for (;;) {
-      pollfd fds[2] = {{signal_fd_, POLLIN, 0}, {port_fd_, POLLIN, 0}};
-      if (poll(fds, 2, -1) < 0) {
-        if (errno == EINTR) continue;
-        fail_errno("poll");
-      }
-      if (fds[0].revents) {
-        if (const int code = handle_signal(); code >= 0) return code;
-      }
-      if (fds[1].revents) {
-        char buf[32];
-        const ssize_t got = read(port_fd_, buf, sizeof buf);
-        if (got > 0) {
-          text.append(buf, got);
-          continue;
+  // ---- Restart rounds, agreed through the store by every node's launcher:
+  // "restart/<round>/cause" (set by the first to ask), "restart/<round>/node/<k>"
+  // (node k is ready to start its workers again) and "restart/<round>/refused"
+  // (a node that will not restart, and why).
+
+  std::string restart_key(const std::string& what, int round) const {
+    return "restart/" + std::to_string(round) + "/" + what;
+  }
+
+  // Another node's request for the next round, if any (only asked with
+  // several nodes). A store that is gone asks nothing: node 0 may be done.
+  std::optional<std::string> restart_requested() {
+    if (opts_.nnodes == 1 || store_lost_) return std::nullopt;
+    try {
+      const std::string key = restart_key("cause", round_ + 1);
+      if (store_->check({key})) return text_of(store_->get(key));
+    } catch (const std::exception&) {
+      store_lost_ = true;
+    }
+    return std::nullopt;
+  }
+
+  // Takes this node into the next round; false (with failure_ saying why)
+  // when the round cannot happen: another node refuses, or does not come
+  // within --timeout.
+  bool join_restart() {
+    if (opts_.nnodes == 1) return true;
+    const int next = round_ + 1;
+    const std::string node = "node " + std::to_string(opts_.node_rank);
+    try {
+      const auto mine = bytes_of(node + ": " + failure_);
+      failure_ = text_of(store_->compareSet(restart_key("cause", next), {}, mine));
+      store_->set(restart_key("node/" + std::to_string(opts_.node_rank), next), bytes_of("ready"));
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts_.timeout * 1000));
+      for (;;) {
+        if (store_->check({restart_key("refused", next)})) {
+          failure_ = text_of(store_->get(restart_key("refused", next)));
+          return false;
         }
-        close(port_fd_);
-        port_fd_ = -1;
-        port = std::atoi(text.c_str());
-        if (port > 0) return -1;
-        // Rank 0 ended without reporting a port: its exit status says why.
-        if (const int code = supervise(); code != 0) return code;
-        std::cerr << "mnist_ddp: rank 0 exited without starting the rendezvous store\n";
-        return 1;
+        std::string missing;
+        for (int k = 0; k < opts_.nnodes; ++k)
+          if (!store_->check({restart_key("node/" + std::to_string(k), next)}))
+            missing += (missing.empty() ? "" : ", ") + std::to_string(k);
+        if (missing.empty()) return true;
+        if (std::chrono::steady_clock::now() > deadline) {
+          failure_ = "node " + missing + " did not join restart " + std::to_string(next) + " within " +
+                     std::to_string(static_cast<int64_t>(opts_.timeout)) + " s (after " + failure_ + ")";
+          return false;
+        }
+        pollfd fd = {signal_fd_, POLLIN, 0};
+        if (poll(&fd, 1, 100) > 0 && handle_signal() >= 0) {
+          failure_.clear();
+          return false;
+        }
       }
+    } catch (const std::exception&) {
+      failure_ = "lost the rendezvous store on node 0 (its launcher stopped) while restarting after " + failure_;
+      return false;
+    }
+  }
+
+  // Tells the other nodes that this one will not take part in another round.
+  void refuse_restart() {
+    if (opts_.nnodes == 1 || store_lost_) return;
+    const std::string why = "node " + std::to_string(opts_.node_rank) + " stopped" +
+                            (failure_.empty() ? std::string(" (interrupted)") : ": " + failure_);
+    try {
+      store_->compareSet(restart_key("refused", round_ + 1), {}, bytes_of(why));
+    } catch (const std::exception&) {
     }
   }
 
   int supervise() {
     while (std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; })) {
       pollfd fd = {signal_fd_, POLLIN, 0};
-      if (poll(&fd, 1, -1) < 0) {
+      const int ready = poll(&fd, 1, opts_.nnodes > 1 ? 250 : -1);
+      if (ready < 0) {
         if (errno == EINTR) continue;
         fail_errno("poll");
       }
-      if (const int code = handle_signal(); code >= 0) return code;
+      if (ready > 0) {
+        if (const int code = handle_signal(); code >= 0) return code;
+      } else if (auto cause = restart_requested()) {
+        // Another node lost a worker: this node's workers wait on it in
+        // vain, and start again with it.
+        failure_ = *cause;
+        stop_workers(workers_, SIGKILL, std::chrono::seconds(0));
+        return 1;
+      }
     }
     return 0;
   }
@@ -335,12 +408,14 @@ class Launcher {
   std::vector<Worker> workers_;
   sigset_t old_mask_{};
   int signal_fd_ = -1;
-  int port_fd_ = -1;
   int error_fd_ = -1, error_write_fd_ = -1;
   std::string error_text_;
-  std::map<int, WorkerError> errors_;
+  std::map<int, WorkerError> errors_;  // local rank -> its first reported error
   std::string failure_;       // why the workers last failed, for the user
-  bool interrupted_ = false;  // by a signal to the launcher: no restart  // local rank -> its first reported error
+  bool interrupted_ = false;  // by a signal to the launcher: no restart
+  c10::intrusive_ptr<c10d::TCPStore> store_;
+  bool store_lost_ = false;
+  int round_ = 0;             // this start of the workers: 0, then one more per restart
 };
 
 }  // namespace

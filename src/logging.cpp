@@ -1,14 +1,17 @@
 #include "mnist_ddp/logging.hpp"
 #include "mnist_ddp/files.hpp"
 
+#include <dlfcn.h>
 #include <sys/ioctl.h>
 #include <unistd.h>
 
+#include <c10/util/Logging.h>
 #include <spdlog/sinks/base_sink.h>
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -105,6 +108,14 @@ void log_error_to_file(const std::string& message) {
   file_only.set_pattern("%m/%d %I:%M:%S %p | %v");
   file_only.error("error: {}", message);
   file_only.flush();
+}
+
+void quiet_libtorch_logs() {
+  if (std::getenv("GLOG_minloglevel")) return;  // the user's choice
+  FLAGS_caffe2_log_level = 3;                    // c10's own logging (LibTorch built without glog)
+  // glog's, where LibTorch logs through it (Debian's); looked up, as other
+  // LibTorch builds have no glog.
+  if (auto* level = static_cast<int32_t*>(dlsym(RTLD_DEFAULT, "_ZN3fLI17FLAGS_minloglevelE"))) *level = 3;
 }
 
 }  // namespace mnist_ddp

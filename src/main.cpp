@@ -8,12 +8,14 @@
 #include <vector>
 
 #include "mnist_ddp/launcher.hpp"
+#include "mnist_ddp/logging.hpp"
 #include "mnist_ddp/options.hpp"
 #include "mnist_ddp/worker.hpp"
 
 int main(int argc, char** argv) {
   using namespace mnist_ddp;
   const auto launched = std::chrono::system_clock::now().time_since_epoch();
+  quiet_libtorch_logs();
   umask(umask(0) | S_IWOTH);  // nothing we create is world-writable, whatever the caller's umask
   try {
     const std::optional<Options> opts = parse_options(argc, argv);

@@ -111,7 +111,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
       ->check(positive("a positive integer"));
   app.add_option("--node-rank", o.node_rank, "This machine's place among the --nnodes (node 0 hosts the store)")
       ->check(at_least(0, "an integer >= 0"));
-  app.add_option("--master-addr", o.master_addr, "Address of node 0, whose rank 0 hosts the store (or $MASTER_ADDR)");
+  app.add_option("--master-addr", o.master_addr, "Address of node 0, which hosts the store (or $MASTER_ADDR)");
   app.add_option("--master-port", o.master_port,
                  "Port of the store (or $MASTER_PORT); 0 picks a free one on a single node; 29500 for several")
       ->check(CLI::Validator(
@@ -137,7 +137,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
                  "Also checkpoint every this many training steps (0: by epoch only)")
       ->check(at_least(0, "an integer >= 0"));
   app.add_option("--max-restarts", o.max_restarts,
-                 "After a worker fails, restart all workers from the newest checkpoint, at most this many times")
+                 "After a worker fails, restart the workers of every node from the newest checkpoint, at most this many times")
       ->check(at_least(0, "an integer >= 0"));
   app.add_option("--resume", o.resume,
                  "Continue from a checkpoint directory, or 'auto': <path>/checkpoint when it holds one");
@@ -189,11 +189,6 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
     throw UsageError("--master-port 0: a free port can be picked on a single node only; give the port node 0 "
                      "listens on to every node (default 29500)");
 
-  if (o.max_restarts > 0 && o.nnodes > 1)
-    throw UsageError("--max-restarts " + std::to_string(o.max_restarts) +
-                     ": restarts are for a single node; under several nodes, let the scheduler restart the job "
-                     "(--resume auto continues it)");
-
   ps.error_feedback = !no_error_feedback;
   ps.warm_start = !no_warm_start;
   if ((ps.error_feedback || ps.warm_start) && ps.start_iter <= 1)
@@ -219,7 +214,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
 
 std::vector<std::pair<std::string, std::string>> shared_settings(const Options& opts) {
   static const std::vector<std::string> own = {"workers", "path", "gpus", "nproc", "node_rank", "master_addr",
-                                               "master_port", "data_dir", "resume", "max_restarts"};
+                                               "master_port", "data_dir", "resume"};
   std::vector<std::pair<std::string, std::string>> out;
   for (const auto& arg : opts.arguments)
     if (std::find(own.begin(), own.end(), arg.first) == own.end()) out.push_back(arg);

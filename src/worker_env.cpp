@@ -31,7 +31,7 @@ int env_int(const char* name, std::optional<int> fallback) {
 // its workers.
 const std::set<std::string> kLauncherVariables = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                                                   "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "MNIST_DDP_NNODES",
-                                                  "MNIST_DDP_PORT_FD", "MNIST_DDP_ERROR_FD"};
+                                                  "MNIST_DDP_ROUND", "MNIST_DDP_ERROR_FD"};
 
 }  // namespace
 
@@ -86,10 +86,10 @@ std::optional<WorkerEnv> worker_env_from_environment() {
     env.local_world_size = env_int("LOCAL_WORLD_SIZE", std::nullopt);
     env.master_addr = master_addr("127.0.0.1");
     env.master_port = env_int("MASTER_PORT", std::nullopt);
+    env.round = env_int("MNIST_DDP_ROUND", std::nullopt);
   } else {
     return std::nullopt;
   }
-  env.port_report_fd = env_int("MNIST_DDP_PORT_FD", -1);
   env.error_report_fd = env_int("MNIST_DDP_ERROR_FD", -1);
   if (env.rank >= 0 && (env.world_size < 1 || env.rank >= env.world_size))
     throw UsageError("environment: RANK=" + std::to_string(env.rank) + " is not below WORLD_SIZE=" +
@@ -97,18 +97,16 @@ std::optional<WorkerEnv> worker_env_from_environment() {
   if (env.local_rank >= env.local_world_size)
     throw UsageError("environment: LOCAL_RANK=" + std::to_string(env.local_rank) + " is not below LOCAL_WORLD_SIZE=" +
                      std::to_string(env.local_world_size));
-  if (env.master_port == 0 && env.port_report_fd < 0)
-    throw UsageError("environment: MASTER_PORT must name the rank-0 store's port");
+  if (env.master_port == 0) throw UsageError("environment: MASTER_PORT must name the store's port");
   return env;
 }
 
 std::vector<std::string> worker_environment(const WorkerEnv& env, const std::vector<std::string>& parent, int cores) {
   std::vector<std::string> out;
-  bool quiet = false, threads = false;
+  bool threads = false;
   for (const std::string& kv : parent) {
     const std::string key = kv.substr(0, kv.find('='));
     if (kLauncherVariables.count(key)) continue;
-    quiet |= key == "GLOG_minloglevel";
     threads |= key == "OMP_NUM_THREADS";
     out.push_back(kv);
   }
@@ -120,11 +118,8 @@ std::vector<std::string> worker_environment(const WorkerEnv& env, const std::vec
   out.push_back("MNIST_DDP_NNODES=" + std::to_string(env.nnodes));
   out.push_back("MASTER_ADDR=" + env.master_addr);
   out.push_back("MASTER_PORT=" + std::to_string(env.master_port));
-  if (env.port_report_fd >= 0) out.push_back("MNIST_DDP_PORT_FD=" + std::to_string(env.port_report_fd));
+  out.push_back("MNIST_DDP_ROUND=" + std::to_string(env.round));
   if (env.error_report_fd >= 0) out.push_back("MNIST_DDP_ERROR_FD=" + std::to_string(env.error_report_fd));
-  // LibTorch's own log lines (glog) would repeat, less clearly, what the
-  // worker reports as its error line.
-  if (!quiet) out.push_back("GLOG_minloglevel=3");
   // Each worker's share of the cores, for every OpenMP pool it starts
   // (ATen's and OpenBLAS's, on any thread), unless the user set one.
   if (!threads) out.push_back("OMP_NUM_THREADS=" + std::to_string(std::max(1, cores / std::max(1, env.local_world_size))));

@@ -6,6 +6,10 @@
 #include <sys/prctl.h>
 #include <unistd.h>
 
+#include <random>
+#include <thread>
+
+#include "mnist_ddp/checkpoint.hpp"
 #include "mnist_ddp/files.hpp"
 #include "mnist_ddp/options.hpp"
 #include "test_util.hpp"
@@ -78,6 +82,47 @@ TEST_F(MultiNode, AResumedJobFollowsTheCheckpointOnNode0) {
   const std::string log = read_text(out0 + "/mnist_train.log");
   EXPECT_NE(log.find("Resuming from " + out0 + "/checkpoint: epoch 1, batch 0"), std::string::npos) << log;
   EXPECT_NE(log.find("Test Epoch: 1:"), std::string::npos) << log;
+}
+
+// A worker lost on node 1, then one on node 0: each time both launchers
+// meet in a restart round at node 0's store (which its launcher holds, so
+// it outlives the workers), start again from node 0's newest step
+// checkpoint, and the job ends where the uninterrupted job ends, bit for bit.
+TEST_F(MultiNode, AWorkerLostOnEitherNodeRestartsEveryNodeAndTheJobEndsAsTheStraightOne) {
+  const std::vector<std::string> extra = {"--epochs", "2", "--checkpoint-steps", "3", "--max-restarts", "2"};
+  const std::vector<std::string> one_thread = {"OMP_NUM_THREADS=1"};
+  const std::string straight = dir_ / "straight0", killed = dir_ / "killed0";
+  {
+    Process node1(node(1, 1, dir_ / "straight1", extra), dir_ / "straight1.txt", one_thread);
+    Process node0(node(0, 1, straight, extra), dir_ / "straight0.txt", one_thread);
+    ASSERT_EQ(exit_code(node0.wait(120s)), 0) << read_text(dir_ / "straight0.txt");
+    ASSERT_EQ(exit_code(node1.wait(30s)), 0) << read_text(dir_ / "straight1.txt");
+  }
+  std::mt19937 random(static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  Process node1(node(1, 1, dir_ / "killed1", extra), dir_ / "killed1.txt", one_thread);
+  Process node0(node(0, 1, killed, extra), dir_ / "killed0.txt", one_thread);
+  for (Process* victim : {&node1, &node0}) {
+    const int start = victim == &node1 ? 1 : 2;
+    ASSERT_TRUE(eventually([&] { return test::count_lines_with(read_text(killed + "/mnist_train.log"), "Startup: first step") == start; }, 90s))
+        << read_text(dir_ / "killed0.txt") << read_text(dir_ / "killed1.txt");
+    std::this_thread::sleep_for(std::chrono::milliseconds(random() % 400));
+    const auto workers = test::children_of(victim->pid());
+    ASSERT_EQ(workers.size(), 1u);
+    kill(workers[0], SIGKILL);
+  }
+  ASSERT_EQ(exit_code(node0.wait(120s)), 0) << read_text(dir_ / "killed0.txt");
+  ASSERT_EQ(exit_code(node1.wait(30s)), 0) << read_text(dir_ / "killed1.txt");
+  for (const std::string& console : {read_text(dir_ / "killed0.txt"), read_text(dir_ / "killed1.txt")}) {
+    EXPECT_NE(console.find("node 1: worker local rank 0 (pid "), std::string::npos) << console;
+    EXPECT_NE(console.find("restart 1 of 2"), std::string::npos) << console;
+    EXPECT_NE(console.find("node 0: worker local rank 0 (pid "), std::string::npos) << console;
+    EXPECT_NE(console.find("restart 2 of 2"), std::string::npos) << console;
+  }
+  const Checkpoint got = load_checkpoint(killed + "/checkpoint"), expected = load_checkpoint(straight + "/checkpoint");
+  EXPECT_EQ(got.step, expected.step);
+  EXPECT_EQ(test::max_abs_diff(got.model, expected.model), 0);
+  EXPECT_EQ(test::max_abs_diff(got.training, expected.training), 0);
+  EXPECT_TRUE(test::processes_mentioning(killed).empty()) << "a worker of the restarted job outlived it";
 }
 
 TEST_F(MultiNode, TorchrunStyleProcessesRunAsOneWorkerEachWithoutForking) {

@@ -142,7 +142,7 @@ void with_environment(const std::map<std::string, std::string>& vars, const std:
                                           "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                                           "SLURM_LOCALID", "SLURM_TASKS_PER_NODE", "SLURM_NODEID",
                                           "SLURM_JOB_NODELIST", "SLURM_NODELIST", "MNIST_DDP_NNODES",
-                                          "MNIST_DDP_PORT_FD", "MNIST_DDP_ERROR_FD"};
+                                          "MNIST_DDP_ROUND", "MNIST_DDP_ERROR_FD"};
   std::map<std::string, std::string> saved;
   for (const auto& n : names) {
     if (const char* v = std::getenv(n.c_str())) saved[n] = v;
@@ -186,13 +186,14 @@ TEST(WorkerEnv, EachLauncherConvention) {
                      EXPECT_EQ(env->master_port, 4000);
                    });
   with_environment({{"MNIST_DDP_NNODES", "2"}, {"GROUP_RANK", "1"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "2"},
-                    {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}},
+                    {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}, {"MNIST_DDP_ROUND", "2"}},
                    [] {
                      const auto env = worker_env_from_environment();
                      ASSERT_TRUE(env);
                      EXPECT_EQ(env->rank, -1);  // agreed through the store
                      EXPECT_EQ(env->nnodes, 2);
                      EXPECT_EQ(env->node_rank, 1);
+                     EXPECT_EQ(env->round, 2);
                    });
   with_environment({{"RANK", "3"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}},
                    [] { EXPECT_THROW(worker_env_from_environment(), UsageError); });
@@ -209,9 +210,10 @@ TEST(WorkerEnv, TheLaunchersEnvironmentReadsBackAsTheWorkerItDescribes) {
   w.nnodes = 2;
   w.master_addr = "10.0.0.7";
   w.master_port = 29511;
+  w.round = 3;
   w.error_report_fd = 9;
   const std::vector<std::string> parent = {"PATH=/usr/bin", "RANK=7", "WORLD_SIZE=9", "MASTER_PORT=1",
-                                           "MNIST_DDP_PORT_FD=4"};
+                                           "MNIST_DDP_ROUND=4"};
   const std::vector<std::string> env = worker_environment(w, parent, 8);
   std::map<std::string, std::string> vars;
   for (const auto& kv : env) {
@@ -220,11 +222,11 @@ TEST(WorkerEnv, TheLaunchersEnvironmentReadsBackAsTheWorkerItDescribes) {
     vars[key] = kv.substr(kv.find('=') + 1);
   }
   EXPECT_EQ(vars.at("PATH"), "/usr/bin");
-  EXPECT_EQ(vars.count("RANK") + vars.count("WORLD_SIZE") + vars.count("MNIST_DDP_PORT_FD"), 0u);
+  EXPECT_EQ(vars.count("RANK") + vars.count("WORLD_SIZE"), 0u);
+  EXPECT_EQ(vars.at("MNIST_DDP_ROUND"), "3");
   EXPECT_EQ(vars.at("OMP_NUM_THREADS"), "2");  // 8 cores, 3 workers
-  EXPECT_EQ(vars.at("GLOG_minloglevel"), "3");
   std::map<std::string, std::string> launcher_vars = vars;
-  for (const auto& key : {"PATH", "OMP_NUM_THREADS", "GLOG_minloglevel"}) launcher_vars.erase(key);
+  for (const auto& key : {"PATH", "OMP_NUM_THREADS"}) launcher_vars.erase(key);
   with_environment(launcher_vars, [&] {
     const auto back = worker_env_from_environment();
     ASSERT_TRUE(back);
@@ -235,13 +237,12 @@ TEST(WorkerEnv, TheLaunchersEnvironmentReadsBackAsTheWorkerItDescribes) {
     EXPECT_EQ(back->nnodes, 2);
     EXPECT_EQ(back->master_addr, "10.0.0.7");
     EXPECT_EQ(back->master_port, 29511);
-    EXPECT_EQ(back->port_report_fd, -1);
+    EXPECT_EQ(back->round, 3);
     EXPECT_EQ(back->error_report_fd, 9);
   });
-  const auto own = worker_environment(w, {"OMP_NUM_THREADS=5", "GLOG_minloglevel=0"}, 8);
+  const auto own = worker_environment(w, {"OMP_NUM_THREADS=5"}, 8);
   EXPECT_NE(std::find(own.begin(), own.end(), "OMP_NUM_THREADS=5"), own.end());
   EXPECT_EQ(std::count_if(own.begin(), own.end(), [](const std::string& kv) { return kv.rfind("OMP_NUM_THREADS=", 0) == 0; }), 1);
-  EXPECT_EQ(std::find(own.begin(), own.end(), "GLOG_minloglevel=3"), own.end());
 }
 
 // A worker's error line survives the trip through the launcher's pipe.

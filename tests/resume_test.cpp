@@ -65,14 +65,6 @@ std::vector<std::string> metrics_rows(const std::string& file, const std::string
   return rows;
 }
 
-// The number of lines of `text` holding `piece`.
-int count_lines_with(const std::string& text, const std::string& piece) {
-  int n = 0;
-  std::istringstream lines(text);
-  for (std::string line; std::getline(lines, line);) n += line.find(piece) != std::string::npos;
-  return n;
-}
-
 // What an exact resume reproduces: the checkpoint's model, optimizer, RNG
 // and hook state, bit for bit, and the last test pass.
 void expect_same_end(const std::string& run, const std::string& straight) {
@@ -160,7 +152,7 @@ TEST(Resume, StoppedPreemptedAndKilledRunsEndAsTheStraightRun) {
                 dir / "killed.txt");
       for (int kill_count = 1; kill_count <= 3; ++kill_count) {
         const std::string log = killed + "/mnist_train.log";
-        ASSERT_TRUE(eventually([&] { return count_lines_with(read_text(log), "Startup: first step") == kill_count; }, 120s))
+        ASSERT_TRUE(eventually([&] { return test::count_lines_with(read_text(log), "Startup: first step") == kill_count; }, 120s))
             << read_text(dir / "killed.txt");
         std::this_thread::sleep_for(std::chrono::milliseconds(random() % 600));
         const auto workers = test::children_of(p.pid());
@@ -253,9 +245,12 @@ TEST(Security, FilesAreNeverWorldWritableAndTheStoreListensOnLoopbackOnly) {
   umask(saved);
   ASSERT_TRUE(eventually([&] { return read_text(dir / "out/mnist_train.log").find("Train Epoch: 0 [5/") != std::string::npos; }, 60s));
 
-  // Every listening socket of the workers, from /proc/net/tcp{,6}.
+  // Every listening socket of the launcher (the store's) and the workers
+  // (Gloo's), from /proc/net/tcp{,6}.
   std::set<std::string> inodes;
-  for (pid_t w : test::children_of(p.pid()))
+  std::vector<pid_t> processes = test::children_of(p.pid());
+  processes.push_back(p.pid());
+  for (pid_t w : processes)
     for (const auto& fd : files::list_directory("/proc/" + std::to_string(w) + "/fd")) {
       const std::string target = test::read_symlink("/proc/" + std::to_string(w) + "/fd/" + fd);
       if (target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));

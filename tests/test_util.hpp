@@ -283,6 +283,14 @@ inline std::vector<pid_t> children_of(pid_t pid) {
   return out;
 }
 
+// The number of lines of `text` holding `piece`.
+inline int count_lines_with(const std::string& text, const std::string& piece) {
+  int n = 0;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) n += line.find(piece) != std::string::npos;
+  return n;
+}
+
 // Processes other than this one whose command line holds `piece`.
 inline std::vector<pid_t> processes_mentioning(const std::string& piece) {
   std::vector<pid_t> out;

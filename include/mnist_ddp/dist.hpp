@@ -1,7 +1,8 @@
 // The multi-process state of one worker: rendezvous store and process groups.
 //
 // A Dist of world size 1 behaves like any other, so training code never asks
-// whether it is distributed. Rank 0 hosts a c10d TCPStore; the rank's one
+// whether it is distributed. The c10d TCPStore is hosted by node 0's
+// launcher (ours), or by rank 0 under torchrun and Slurm; the rank's one
 // process group is c10d::ProcessGroupGloo (CPU, or CUDA tensors when ranks
 // share a GPU) or c10d::ProcessGroupNCCL (CUDA, when LibTorch has it), and
 // every collective on it goes through one ordered stream (collectives.hpp).
@@ -9,6 +10,7 @@
 
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
 #include <memory>
@@ -43,7 +45,7 @@ struct Dist {
 
   // The ranks whose heartbeat stopped: after a collective failed, who is
   // gone. Watches the store for a few seconds; rank 0 when the store
-  // itself is gone (rank 0 hosts it).
+  // itself is gone (its host, rank 0 or node 0's launcher, took rank 0 along).
   std::vector<int> silent_ranks() const;
 
  private:
@@ -58,8 +60,20 @@ struct Dist {
 Dist make_dist(StorePtr store, int rank, int world_size, const std::string& backend, torch::Device device,
                std::chrono::milliseconds timeout);
 
-// Joins the job described by the environment. Rank 0 hosts the TCPStore
-// (reporting its port when asked to); the others connect to it. When the
+// Hosts the job's TCPStore at addr:port (port 0: a free one; reachable only
+// at addr's IPv4 address), or, unless `host`, reaches it within `timeout`.
+// Throws std::runtime_error with a one-line reason (port in use, store
+// unreachable).
+c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port, bool host,
+                                              std::chrono::milliseconds timeout);
+
+// A store value as text, and text as a store value.
+std::vector<uint8_t> bytes_of(const std::string& s);
+std::string text_of(const std::vector<uint8_t>& b);
+
+// Joins the job described by the environment: at its launcher's store, under
+// the key prefix of the launcher's start (env.round), or as rank 0 hosting
+// the store under torchrun and Slurm. When the
 // environment leaves ranks open (our launcher's workers), the nodes agree
 // on them there: each node's local rank 0 announces its worker count, and
 // node 0's ranks come first, then node 1's, and so on. Every rank then

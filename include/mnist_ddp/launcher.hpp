@@ -1,7 +1,7 @@
 // The launcher: the parent process that starts and supervises one node's
-// workers. It never initialises CUDA, thread pools or LibTorch state before
-// it forks; each worker is this binary exec'ed with the environment
-// worker_environment() builds (worker_env.hpp).
+// workers. It never initialises CUDA or thread pools (its only threads are
+// the store's) and a forked child only execs: each worker is this binary
+// exec'ed with the environment worker_environment() builds (worker_env.hpp).
 //
 // Supervision: SIGINT/SIGTERM/SIGHUP to the launcher print the reference's
 // "KeyboardInterrupt received. Terminating processes..." and stop every
@@ -10,6 +10,10 @@
 // (the worker's own report, preferring a cause over an echo of it); workers
 // get SIGKILL when the launcher dies (PR_SET_PDEATHSIG). Every worker is
 // reaped before the launcher returns.
+//
+// Node 0's launcher hosts the job's store; every launcher starts its workers
+// in rounds (0, then one more per --max-restarts restart), which every node
+// joins through that store before its workers start again.
 #pragma once
 
 #include <string>

@@ -23,6 +23,11 @@ bool progress_shown();
 // Replaces the progress line under the log; "" removes it.
 void show_progress(const std::string& line);
 
+// Silences LibTorch's own log lines (c10's and glog's warnings), which would
+// repeat, less clearly, what our one error line says; GLOG_minloglevel in
+// the environment keeps them. Called first thing in every process.
+void quiet_libtorch_logs();
+
 // Logs an error line to the log file only (rank 0), for errors whose
 // console line someone else prints.
 void log_error_to_file(const std::string& message);

@@ -23,9 +23,11 @@ struct WorkerEnv {
   int nnodes = 1;
   std::string master_addr;
   int master_port = 0;
-  // Set by our launcher on rank 0 when --master-port is 0: rank 0 binds a free
-  // port and writes its number to this file descriptor.
-  int port_report_fd = -1;
+  // Set by our launcher, which hosts the store on node 0 and counts its
+  // starts of the workers from 0 (a restart is a new round): the workers
+  // meet under the key prefix "round/<round>", so no start reads another's
+  // keys. -1: started by torchrun or Slurm, and rank 0 hosts the store.
+  int round = -1;
   // Set by our launcher: a failing worker writes an error_report_line() here
   // instead of printing it, so the user reads one line, not one per worker.
   int error_report_fd = -1;
@@ -42,9 +44,9 @@ std::optional<WorkerEnv> worker_env_from_environment();
 
 // The environment our launcher gives the worker `env` describes: `parent`
 // ("KEY=VALUE" entries) without any launcher's variables, then ours, which
-// worker_env_from_environment() reads back as `env`. Also quiets LibTorch's
-// own log lines and, unless `parent` sets OMP_NUM_THREADS, gives each of the
-// node's workers its share of the cores. Pure: reads nothing else.
+// worker_env_from_environment() reads back as `env`. Unless `parent` sets
+// OMP_NUM_THREADS, it also gives each of the node's workers its share of
+// the cores. Pure: reads nothing else.
 std::vector<std::string> worker_environment(const WorkerEnv& env, const std::vector<std::string>& parent, int cores);
 
 // The first host of a Slurm node list: "gpu[003-005,010],cpu7" -> "gpu003".
