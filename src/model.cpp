@@ -15,14 +15,14 @@ NetImpl::NetImpl() {
   fc2 = register_module("fc2", torch::nn::Linear(128, 10));
 }
 
-torch::Tensor NetImpl::norm(const std::string& name, const torch::Tensor& x) {
+torch::Tensor NetImpl::norm_relu(const std::string& name, const torch::Tensor& x) {
   const std::shared_ptr<torch::nn::Module> layer = named_children()[name];
-  return forward_batch_norm(*layer, x);
+  return batch_norm_relu(*layer, x);
 }
 
 torch::Tensor NetImpl::forward(torch::Tensor x) {
-  x = torch::relu(norm("bn1", conv1->forward(x)));
-  x = torch::relu(norm("bn2", conv2->forward(x)));
+  x = norm_relu("bn1", conv1->forward(x));
+  x = norm_relu("bn2", conv2->forward(x));
   x = torch::max_pool2d(x, 2);
   x = torch::dropout(x, 0.25, is_training());
   x = torch::flatten(x, 1);

@@ -225,7 +225,7 @@ struct ConvBnNetImpl : torch::nn::Module {
     fc = register_module("fc", torch::nn::Linear(144, 10));
   }
   torch::Tensor forward(torch::Tensor x) {
-    x = torch::relu(forward_batch_norm(*named_children()["bn"], conv(x)));
+    x = batch_norm_relu(*named_children()["bn"], conv(x));
     return torch::log_softmax(fc(x.flatten(1)), 1);
   }
   torch::nn::Conv2d conv{nullptr};

@@ -18,6 +18,7 @@ using test::run_ranks;
 struct Case {
   std::vector<int64_t> batch_sizes;  // one per rank; they may differ, and be 0
   int steps;
+  bool relu = false;  // SyncBatchNorm::forward_relu against relu(BatchNorm2d)
 };
 
 // Every rank's slice of one global batch goes through SyncBatchNorm; the
@@ -46,6 +47,7 @@ void expect_matches_batch_norm_on_the_concatenated_batch(const Case& c, torch::D
     oracle->zero_grad();
     auto x = xs[s].clone().requires_grad_(true);
     auto y = oracle->forward(x);
+    if (c.relu) y = torch::relu(y);
     (y * gs[s]).sum().backward();
     oracle_y.push_back(y.detach());
     oracle_dx.push_back(x.grad());
@@ -67,7 +69,7 @@ void expect_matches_batch_norm_on_the_concatenated_batch(const Case& c, torch::D
     for (int s = 0; s < c.steps; ++s) {
       bn->zero_grad();
       auto x = xs[s].slice(0, lo, hi).to(device).requires_grad_(true);
-      auto y = bn->forward(x);
+      auto y = c.relu ? bn->forward_relu(x) : bn->forward(x);
       (y * gs[s].slice(0, lo, hi).to(device)).sum().backward();
       EXPECT_LE(max_abs_diff(y, oracle_y[s].slice(0, lo, hi)), 1e-5) << "output, step " << s;
       EXPECT_LE(max_abs_diff(x.grad(), oracle_dx[s].slice(0, lo, hi)), 1e-5) << "input gradient, step " << s;
@@ -95,10 +97,19 @@ TEST(SyncBatchNorm, ARankWithAnEmptyBatchNeitherHangsNorSkews) {
   expect_matches_batch_norm_on_the_concatenated_batch({{4, 0, 3}, 2});
 }
 
+// The fused CPU kernels of SyncBatchNorm + ReLU (planes of 42 values: the
+// 16-lane loops and their tails), under the same three cases.
+TEST(SyncBatchNorm, FusedWithReluMatchesReluOfBatchNormOnTheWholeBatch) {
+  expect_matches_batch_norm_on_the_concatenated_batch({{3, 5}, 3, true});
+  expect_matches_batch_norm_on_the_concatenated_batch({{4, 1, 6}, 3, true});
+  expect_matches_batch_norm_on_the_concatenated_batch({{4, 0, 3}, 2, true});
+}
+
 TEST(CudaSyncBatchNorm, TwoRanksSharingOneGpuMatchBatchNormOnTheWholeBatch) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device is visible to this LibTorch";
   at::globalContext().setAllowTF32CuDNN(false);
   expect_matches_batch_norm_on_the_concatenated_batch({{3, 5}, 3}, torch::Device(torch::kCUDA, 0));
+  expect_matches_batch_norm_on_the_concatenated_batch({{3, 5}, 3, true}, torch::Device(torch::kCUDA, 0));
 }
 
 TEST(SyncBatchNorm, WorldSizeOneIsBatchNorm2dExactly) {

@@ -17,7 +17,7 @@ class NetImpl : public torch::nn::Module {
  private:
   // bn1 and bn2 are looked up by name on every forward, so the layers that
   // convert_sync_batchnorm() puts in their place are the ones that run.
-  torch::Tensor norm(const std::string& name, const torch::Tensor& x);
+  torch::Tensor norm_relu(const std::string& name, const torch::Tensor& x);
 
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};

@@ -35,6 +35,10 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
 
   void reset() override;
   torch::Tensor forward(const torch::Tensor& input);
+  // relu(forward(input)); in training on more than one rank, with a
+  // contiguous float32 NCHW input on the CPU, fused into three passes over
+  // the activations forward and two backward.
+  torch::Tensor forward_relu(const torch::Tensor& input);
 
   torch::nn::BatchNormOptions options;
   std::shared_ptr<Collectives> comm;
@@ -43,17 +47,19 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
 
  private:
   void register_state();
+  void check_channels(const torch::Tensor& input) const;
 };
 TORCH_MODULE(SyncBatchNorm);
 
 // Replaces every BatchNorm2d in `module`'s tree with a SyncBatchNorm over
 // `comm` that holds the same parameters and buffers, so state-dict names and
 // values are unchanged. A parent sees the replacement if it calls its
-// normalisation children through forward_batch_norm() by registered name, as
+// normalisation children through batch_norm_relu() by registered name, as
 // Net does.
 void convert_sync_batchnorm(torch::nn::Module& module, const std::shared_ptr<Collectives>& comm);
 
-// Runs `layer`, a BatchNorm2d or a SyncBatchNorm, on `input`.
-torch::Tensor forward_batch_norm(torch::nn::Module& layer, const torch::Tensor& input);
+// relu(layer(input)) for `layer` a BatchNorm2d or a SyncBatchNorm (fused
+// where SyncBatchNormImpl::forward_relu fuses).
+torch::Tensor batch_norm_relu(torch::nn::Module& layer, const torch::Tensor& input);
 
 }  // namespace mnist_ddp
