@@ -14,7 +14,11 @@
 #   4. end to end: launch to the end of one full epoch, evaluation and model
 #      save included, for none and for powersgd_fp16 (compressing from step 10);
 #   5. on CPU, a profile by operator of rank 0's step (2 processes,
-#      SyncBatchNorm, none), by self time.
+#      SyncBatchNorm, none), by self time;
+#   6. against PyTorch's own Python DDP (scripts/python_ddp.py, same Net,
+#      data, batch, threads and SGD), and 2 workers against 1: ms/step as
+#      the slope between a 40-step and a 240-step run from launch to exit,
+#      so start-up and the end cancel; alternating rounds, medians.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=300 rounds=2 gpu=()
@@ -68,6 +72,37 @@ for hook in none powersgd_fp16; do
   fi
   end=$(date +%s%N)
   echo "e2e_$hook=$out/e2e-$hook $(((end - start) / 1000000))" >>"$facts"
+done
+
+# A Python with torch (Debian's python3-torch runs under /usr/bin/python3);
+# with --gpu, one with CUDA.
+python="" runs=(mnist_ddp mnist_ddp_1)
+for p in python3 /usr/bin/python3; do
+  if "$p" -c "import sys, torch; sys.exit(0 if ${gpu[*]:+torch.cuda.is_available() and }True else 1)" 2>/dev/null; then
+    python="$p" runs+=(python_ddp)
+    break
+  fi
+done
+[ -n "$python" ] || echo "bench: no Python with torch${gpu[*]:+ and CUDA}: the Python DDP comparison is left out" >&2
+echo "bench: slopes against Python DDP and against 1 worker, $rounds round(s)" >&2
+for round in $(seq 1 "$rounds"); do
+  for steps_now in 40 240; do
+    for run in "${runs[@]}"; do
+      start=$(date +%s%N)
+      case "$run" in
+        mnist_ddp|mnist_ddp_1)
+          if [ "$run" = mnist_ddp ]; then where=("${placement[@]}"); else where=(--backend gloo --nproc 1); fi
+          [ -n "${gpu[*]}" ] && [ "$run" = mnist_ddp_1 ] && where=(--backend nccl --gpus 0)
+          ./build/mnist_ddp "${where[@]}" --dataset fashion-mnist --epochs 1 --max-steps "$steps_now" \
+            --compression none --checkpoint-every 0 --log-interval 1000 --path "$out/slope" >"$out/slope.txt" 2>&1 ;;
+        python_ddp)
+          "$python" scripts/python_ddp.py --steps "$steps_now" --dataset fashion-mnist ${gpu[*]:+--cuda} \
+            >"$out/slope.txt" 2>&1 ;;
+      esac || { echo "bench: the $run run of $steps_now steps failed:" >&2; tail -n 5 "$out/slope.txt" >&2; exit 1; }
+      end=$(date +%s%N)
+      echo "slope_$run=$steps_now $(((end - start) / 1000000))" >>"$facts"
+    done
+  done
 done
 
 {

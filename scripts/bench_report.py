@@ -87,6 +87,20 @@ def limit(lines):
     return {k: statistics.median(r[k] for r in rounds) for k in keys}
 
 
+def slopes(facts):
+    """ms/step of each slope run: (wall of 240 steps - wall of 40) / 200, per round, medians."""
+    out = {}
+    for key, values in facts.items():
+        if not key.startswith("slope_"):
+            continue
+        walls = [tuple(map(int, v.split())) for v in values]  # (steps, ms) in run order
+        per_round = []
+        for (short_steps, short_ms), (long_steps, long_ms) in zip(walls[0::2], walls[1::2]):
+            per_round.append((long_ms - short_ms) / (long_steps - short_steps))
+        out[key[6:]] = statistics.median(per_round)
+    return out
+
+
 def bench_table(facts_path, json_path, run_dirs):
     facts = read_facts(facts_path)
     hooks = median_by([parse(d) for d in run_dirs], "compression")
@@ -137,8 +151,23 @@ def bench_table(facts_path, json_path, run_dirs):
         "slowest_hook_vs_none": [min(r["vs_none"] for r in hooks.values()), ">=", 0.95],
         "startup_s": [max(r["startup_s"] for r in ends.values()), "<", 3.0],
     }
+    slope = slopes(facts)
+    if "mnist_ddp_1" in slope:
+        targets["scaling_efficiency_2_workers_vs_1"] = [slope["mnist_ddp_1"] / slope["mnist_ddp"], ">=", 0.85]
+    if "python_ddp" in slope:
+        targets["step_rate_vs_python_ddp"] = [slope["python_ddp"] / slope["mnist_ddp"], ">=", 1.5]
     if plain:
         targets["limit_vs_installed"] = [tuned["images_per_s"] / plain["images_per_s"], ">=", 1.5]
+    if slope:
+        names = {"mnist_ddp": f"mnist_ddp, {processes} workers, SyncBatchNorm",
+                 "mnist_ddp_1": "mnist_ddp, 1 worker",
+                 "python_ddp": f"PyTorch's Python DDP, {processes} workers, "
+                               + ("SyncBatchNorm" if facts["device"][0] != "cpu" else "per-process BatchNorm")}
+        print(f"\nms/step as the slope from a 40-step to a 240-step run, launch to exit, compression none "
+              f"(medians of {len(facts['slope_mnist_ddp']) // 2} alternating rounds):\n")
+        print("| run | ms/step | images/s per worker |\n|---|---:|---:|")
+        for name, ms in slope.items():
+            print(f"| {names[name]} | {ms:.1f} | {32000 / ms:.0f} |")
     print("\n| target | measured | goal | met |\n|---|---:|---:|---|")
     for name, (value, op, goal) in targets.items():
         met = value >= goal if op == ">=" else value < goal
@@ -153,6 +182,7 @@ def bench_table(facts_path, json_path, run_dirs):
         "compute_limit": {"tuned": tuned, "as_installed": plain},
         "hooks": hooks,
         "end_to_end": ends,
+        "slopes_ms_per_step": slope,
         "targets": {name: {"measured": value, "goal": f"{op} {goal}"} for name, (value, op, goal) in targets.items()},
         "breakdown": facts.get("breakdown", [None])[0],
     }

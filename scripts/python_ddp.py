@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""PyTorch's own Python DistributedDataParallel on the reference's Net: the
+baseline scripts/bench.sh measures mnist_ddp against.
+
+    python3 scripts/python_ddp.py --steps 240 [--nproc 2] [--data-dir data] [--dataset fashion-mnist]
+
+Trains --steps steps on --nproc Gloo processes on the CPU (or, with --cuda,
+one NCCL process per visible GPU) with the reference's settings: batch 32
+per process, SGD lr 0.01, momentum 0.9, weight decay 5e-4, a
+DistributedSampler shuffled with seed 0. Each process gets cores / nproc
+intra-op threads, as mnist_ddp's workers do. PyTorch's SyncBatchNorm
+refuses CPU tensors, so on the CPU the BatchNorm layers stay per-process;
+with --cuda they are converted, as the reference does. The batches are
+sliced from the normalised data set held in memory (no DataLoader worker
+processes), which favours this baseline. Prints "steps N in S s".
+"""
+import argparse
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from evaluate_model import Net, read_idx  # noqa: E402  the reference's Net and an IDX reader
+
+RAW_DIRS = {"mnist": "MNIST/raw", "fashion-mnist": "FashionMNIST/raw"}
+
+
+def worker(rank, args, port):
+    torch.set_num_threads(args.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if args.cuda else "gloo", rank=rank, world_size=args.nproc)
+    device = torch.device("cuda", rank) if args.cuda else torch.device("cpu")
+    torch.manual_seed(0)
+    raw = os.path.join(args.data_dir, RAW_DIRS[args.dataset])
+    images = (read_idx(raw, "train-images-idx3-ubyte").float().div_(255).sub_(0.1307).div_(0.3081)).unsqueeze(1)
+    labels = read_idx(raw, "train-labels-idx1-ubyte").long()
+    images, labels = images.to(device), labels.to(device)
+    sampler = torch.utils.data.DistributedSampler(range(len(labels)), num_replicas=args.nproc, rank=rank,
+                                                  shuffle=True, seed=0)
+    model = Net()
+    if args.cuda:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if args.cuda else None)
+    if args.compression == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    ddp.train()
+    step, epoch, start = 0, 0, time.time()
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        order = torch.tensor(list(sampler), device=device)
+        for first in range(0, len(order) - args.batch_size + 1, args.batch_size):
+            batch = order[first:first + args.batch_size]
+            optimizer.zero_grad()
+            loss = F.nll_loss(ddp(images[batch]), labels[batch])
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if step == args.steps:
+                break
+        epoch += 1
+    if args.cuda:
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(f"steps {step} in {time.time() - start:.3f} s", flush=True)
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--data-dir", default="data")
+    parser.add_argument("--dataset", choices=sorted(RAW_DIRS), default="fashion-mnist")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--compression", choices=["none", "fp16"], default="none")
+    parser.add_argument("--cuda", action="store_true")
+    args = parser.parse_args()
+    if args.cuda:
+        if not torch.cuda.is_available():
+            sys.exit("python_ddp: --cuda, but this torch sees no GPU")
+        args.nproc = torch.cuda.device_count()
+    args.threads = max(1, (os.cpu_count() or 1) // args.nproc)
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args, port), nprocs=args.nproc)
+
+
+if __name__ == "__main__":
+    main()
