@@ -16,7 +16,8 @@
 #   5. on CPU, a profile by operator of rank 0's step (2 processes,
 #      SyncBatchNorm, none), by self time;
 #   6. against PyTorch's own Python DDP (scripts/python_ddp.py, same Net,
-#      data, batch, threads and SGD), and 2 workers against 1: ms/step as
+#      data, batch, threads and SGD), and 2 workers against 1 worker with
+#      one worker's share of the cores: ms/step as
 #      the slope between a 40-step and a 240-step run from launch to exit,
 #      so start-up and the end cancel; alternating rounds, medians.
 set -euo pipefail
@@ -91,9 +92,13 @@ for round in $(seq 1 "$rounds"); do
       start=$(date +%s%N)
       case "$run" in
         mnist_ddp|mnist_ddp_1)
-          if [ "$run" = mnist_ddp ]; then where=("${placement[@]}"); else where=(--backend gloo --nproc 1); fi
-          [ -n "${gpu[*]}" ] && [ "$run" = mnist_ddp_1 ] && where=(--backend nccl --gpus 0)
-          ./build/mnist_ddp "${where[@]}" --dataset fashion-mnist --epochs 1 --max-steps "$steps_now" \
+          # 1 worker gets one worker's share of the cores, as each of 2 has.
+          threads=() where=("${placement[@]}")
+          if [ "$run" = mnist_ddp_1 ]; then
+            where=(--backend gloo --nproc 1) threads=(OMP_NUM_THREADS=$(($(nproc) / 2 > 0 ? $(nproc) / 2 : 1)))
+            [ -n "${gpu[*]}" ] && where=(--backend nccl --gpus 0)
+          fi
+          env "${threads[@]}" ./build/mnist_ddp "${where[@]}" --dataset fashion-mnist --epochs 1 --max-steps "$steps_now" \
             --compression none --checkpoint-every 0 --log-interval 1000 --path "$out/slope" >"$out/slope.txt" 2>&1 ;;
         python_ddp)
           "$python" scripts/python_ddp.py --steps "$steps_now" --dataset fashion-mnist ${gpu[*]:+--cuda} \
