@@ -396,7 +396,13 @@ class Launcher {
                                : "worker " + std::string(opts_.nnodes > 1 ? "local rank " : "rank ") +
                                      std::to_string(failure->rank) + " (pid " + std::to_string(failure->pid) + ") " +
                                      describe_status(failure->status) + "; stopping the other workers";
-    stop_all();
+    // A restart follows unless the restarts are spent: the others' state is
+    // not needed (the restart resumes from the checkpoint), nor their
+    // seconds of finding out who is gone.
+    if (round_ < opts_.max_restarts)
+      stop_workers(workers_, SIGKILL, std::chrono::seconds(0));
+    else
+      stop_all();
     return exit_code_of(failure->status);
   }
 

@@ -67,6 +67,8 @@ void catch_preemption_signals() {
   for (int sig : {SIGTERM, SIGUSR1}) sigaction(sig, &action, nullptr);
 }
 
+int preemption_signal() { return g_preemption_signal; }
+
 int StopVote::after_step() {
   int agreed = 0;
   if (votes_.defined()) {
@@ -74,7 +76,7 @@ int StopVote::after_step() {
     const torch::Tensor votes = votes_.cpu();
     agreed = votes[0].item<double>() > 0 ? SIGTERM : votes[1].item<double>() > 0 ? SIGUSR1 : 0;
   }
-  const int mine = g_preemption_signal;
+  const int mine = preemption_signal();
   votes_ = torch::tensor({mine == SIGTERM ? 1.0 : 0.0, mine == SIGUSR1 ? 1.0 : 0.0}, torch::kFloat64).to(dist_.device);
   ticket_ = dist_.comm->post([votes = votes_](Channel& c) { c.allreduce_sum(votes)->waitAndThrow(); });
   return agreed;

@@ -88,9 +88,12 @@ int run_worker(const Options& opts, const WorkerEnv& env) {
     echo = true;
   } catch (const std::exception& e) {
     message = error_line(e);
-    // A collective that failed (LibTorch's or Gloo's error): name who went silent.
+    // A collective that failed (LibTorch's or Gloo's error): name who went
+    // silent, unless this rank was being stopped, which says its launcher
+    // (or scheduler) already knows why; the peers' heartbeats take seconds.
     const bool collective = dynamic_cast<const c10::Error*>(&e) || dynamic_cast<const gloo::Exception*>(&e);
-    if (collective && dist && dist->world_size > 1) {
+    echo = collective && preemption_signal() != 0;
+    if (collective && !echo && dist && dist->world_size > 1) {
       const std::vector<int> silent = dist->silent_ranks();
       std::string who;
       for (int r : silent) who += (who.empty() ? "" : ", ") + std::to_string(r);

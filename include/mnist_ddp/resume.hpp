@@ -60,6 +60,8 @@ std::optional<Checkpoint> capture(const Position& at, const torch::nn::Module& m
 // longer end the process: they are noted, and a StopVote turns them into a
 // step that every rank stops after.
 void catch_preemption_signals();
+// The preemption signal this process has caught, or 0.
+int preemption_signal();
 
 class StopVote {
  public:
