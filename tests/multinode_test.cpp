@@ -165,9 +165,13 @@ TEST_F(MultiNode, ASettingThatDiffersBetweenNodesIsRefusedByName) {
   }
 }
 
-TEST_F(MultiNode, ANodeThatDiesStopsTheOthersNamingTheLostRank) {
-  Process node1(node(1, 1, dir_ / "node1", {"--epochs", "50"}), dir_ / "node1.txt");
-  Process node0(node(0, 2, dir_ / "node0", {"--epochs", "50"}), dir_ / "node0.txt");
+// Node 1 dies whole (launcher and worker): node 0's workers name the rank
+// they lost, and node 0's launcher, with a restart left, waits --timeout
+// for node 1 to join the restart round, then ends the job naming it.
+TEST_F(MultiNode, ANodeThatDiesStopsTheOthersNamingTheLostRankAndTheNodeThatNeverRejoins) {
+  const std::vector<std::string> extra = {"--epochs", "50", "--max-restarts", "1", "--timeout", "4"};
+  Process node1(node(1, 1, dir_ / "node1", extra), dir_ / "node1.txt");
+  Process node0(node(0, 2, dir_ / "node0", extra), dir_ / "node0.txt");
   ASSERT_TRUE(eventually([&] { return read_text(dir_ / "node0/mnist_train.log").find("Train Epoch: 0 [") != std::string::npos; }, 60s));
   const auto killed = std::chrono::steady_clock::now();
   kill(node1.pid(), SIGKILL);  // node 1's worker dies with it
@@ -175,6 +179,8 @@ TEST_F(MultiNode, ANodeThatDiesStopsTheOthersNamingTheLostRank) {
   EXPECT_LT(std::chrono::steady_clock::now() - killed, 30s);
   EXPECT_NE(code, 0);
   const std::string out = read_text(dir_ / "node0.txt");
+  EXPECT_NE(out.find("mnist_ddp: error: node 1 did not join restart 1 within 4 s (after node 0: rank "), std::string::npos)
+      << out;
   EXPECT_NE(out.find("lost rank 2"), std::string::npos) << out;
   node1.wait(5s);
 }
