@@ -256,7 +256,7 @@ TEST(CudaEndToEnd, TwoWorkersSharingOneGpuTrainEveryHookAsTheCpuDoes) {
       TempDir dir;
       std::vector<std::string> args = {"--backend", "gloo", "--epochs", "2", "--compression", compression,
                                         "--start-powersgd-iter", "10", "--log-interval", "100",
-                                        "--data-dir", kData, "--path", dir / "out"};
+                                        "--checkpoint-every", "0", "--data-dir", kData, "--path", dir / "out"};
       for (const auto& a : device == "gpu" ? std::vector<std::string>{"--gpus", "0,0"}
                                            : std::vector<std::string>{"--nproc", "2"})
         args.push_back(a);

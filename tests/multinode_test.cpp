@@ -53,7 +53,7 @@ class MultiNode : public ::testing::Test {
 // comm_hooks.hpp, "exact math"), or the replica check fails the run.
 TEST_F(MultiNode, TwoLaunchersOfDifferentSizesAndThreadCountsTrainAsOneJobUnderEveryHook) {
   for (const std::string& compression : kCompressions) {
-    const std::vector<std::string> hook = {"--compression", compression};
+    const std::vector<std::string> hook = {"--compression", compression, "--checkpoint-every", "0"};
     const std::string out0 = dir_ / (compression + "0"), out1 = dir_ / (compression + "1");
     Process node1(node(1, 1, out1, hook), out1 + ".txt", {"OMP_NUM_THREADS=2"});
     Process node0(node(0, 2, out0, hook), out0 + ".txt", {"OMP_NUM_THREADS=1"});
