@@ -154,7 +154,9 @@ class Launcher {
       if (!again || !join_restart()) {
         if (!failure_.empty())
           std::cerr << "mnist_ddp: error: " << failure_
-                    << (round_ > 0 ? " (restarted " + std::to_string(round_) + " times; no restart left)" : "")
+                    << (round_ == 0                     ? std::string()
+                        : round_ == opts_.max_restarts ? " (restarted " + std::to_string(round_) + " times; no restart left)"
+                                                       : " (restarted " + std::to_string(round_) + " times)")
                     << std::endl;
         if (code != 0) refuse_restart();
         return code;
