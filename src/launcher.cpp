@@ -186,12 +186,11 @@ class Launcher {
   // through it. Node 0 hosts it; another node waits for it up to --timeout,
   // answering signals meanwhile. Returns -1 once it is open, else the exit code.
   int open_job_store() {
-    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(opts_.timeout * 1000));
     if (opts_.node_rank == 0) {
-      store_ = open_store(opts_.master_addr, opts_.master_port, true, timeout);
+      store_ = open_store(opts_.master_addr, opts_.master_port, true, timeout());
       return -1;
     }
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
     for (;;) {
       try {
         store_ = open_store(opts_.master_addr, opts_.master_port, false, std::chrono::seconds(1));
@@ -232,6 +231,10 @@ class Launcher {
     w.running = true;
   }
 
+  std::chrono::milliseconds timeout() const {  // --timeout
+    return std::chrono::milliseconds(static_cast<int64_t>(opts_.timeout * 1000));
+  }
+
   // ---- Restart rounds, agreed through the store by every node's launcher:
   // "restart/<round>/cause" (set by the first to ask), "restart/<round>/node/<k>"
   // (node k is ready to start its workers again) and "restart/<round>/refused"
@@ -265,7 +268,7 @@ class Launcher {
       const auto mine = bytes_of(node + ": " + failure_);
       failure_ = text_of(store_->compareSet(restart_key("cause", next), {}, mine));
       store_->set(restart_key("node/" + std::to_string(opts_.node_rank), next), bytes_of("ready"));
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(opts_.timeout * 1000));
+      const auto deadline = std::chrono::steady_clock::now() + timeout();
       for (;;) {
         if (store_->check({restart_key("refused", next)})) {
           failure_ = text_of(store_->get(restart_key("refused", next)));

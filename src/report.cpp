@@ -354,15 +354,15 @@ void RunSummary::add_epoch(const EpochReport& e, double best_test_top1) {
   entry["images_per_s"] = e.images_per_s;
   entry["lr"] = e.lr;
   entry["wire_bytes_per_step"] = e.wire_bytes_per_step;
-  Json train = Json::object(), test = Json::object();
-  train["loss"] = e.train_loss;
-  train["top1"] = e.train_top1;
-  train["top5"] = e.train_top5;
-  test["loss"] = e.test_loss;
-  test["top1"] = e.test_top1;
-  test["top5"] = e.test_top5;
-  entry["train"] = std::move(train);
-  entry["test"] = std::move(test);
+  auto split = [](double loss, double top1, double top5) {
+    Json j = Json::object();
+    j["loss"] = loss;
+    j["top1"] = top1;
+    j["top5"] = top5;
+    return j;
+  };
+  entry["train"] = split(e.train_loss, e.train_top1, e.train_top5);
+  entry["test"] = split(e.test_loss, e.test_top1, e.test_top5);
   root_["epochs"].push_back(std::move(entry));
   root_["best_test_top1"] = best_test_top1;
 }

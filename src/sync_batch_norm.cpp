@@ -268,11 +268,17 @@ class SyncBatchNormReluFunction : public torch::autograd::Function<SyncBatchNorm
   }
 };
 
+// Counts a training batch; returns the running statistics' update factor
+// (the momentum, or 1 / batches for a cumulative average).
+double count_batch(SyncBatchNormImpl& bn) {
+  bn.num_batches_tracked.add_(1);
+  return bn.options.momentum() ? *bn.options.momentum() : 1.0 / bn.num_batches_tracked.item<double>();
+}
+
 // A training forward over every rank's batch, from this rank's statistics:
 // updates the running statistics and normalises (then ReLU, when `relu`).
 torch::Tensor train_synced(SyncBatchNormImpl& bn, const torch::Tensor& input, const LocalStats& local, bool relu) {
-  bn.num_batches_tracked.add_(1);
-  const double factor = bn.options.momentum() ? *bn.options.momentum() : 1.0 / bn.num_batches_tracked.item<double>();
+  const double factor = count_batch(bn);
   const GlobalStats stats = global_stats(local, input.scalar_type(), *bn.comm, bn.options.eps());
   {
     // Separate multiplies and adds, no fused forms: exact (see the header).
@@ -326,11 +332,7 @@ void SyncBatchNormImpl::register_state() {
 torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
   check_channels(input);
   if (is_training() && comm && comm->world_size() > 1) return train_synced(*this, input, local_stats(input), false);
-  double factor = 0.0;
-  if (is_training()) {
-    num_batches_tracked.add_(1);
-    factor = options.momentum() ? *options.momentum() : 1.0 / num_batches_tracked.item<double>();
-  }
+  const double factor = is_training() ? count_batch(*this) : 0.0;
   return torch::batch_norm(input, weight, bias, running_mean, running_var, is_training(), factor, options.eps(),
                            /*cudnn_enabled=*/true);
 }
