@@ -7,11 +7,20 @@
 #include <sstream>
 
 #include "mnist_ddp/dist.hpp"
+#include "mnist_ddp/shared_memory.hpp"
 
 namespace mnist_ddp {
 
-Channel::Channel(GroupPtr group, torch::Device device, bool nccl)
-    : group_(std::move(group)), device_(device), nccl_(nccl) {}
+FuturePtr completed_future(const torch::Tensor& tensor) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+  future->markCompleted(c10::IValue(tensor));
+  return future;
+}
+
+Channel::Channel(GroupPtr group, torch::Device device, bool nccl, std::unique_ptr<SharedMemoryReducer> shared)
+    : group_(std::move(group)), device_(device), nccl_(nccl), shared_(std::move(shared)) {}
+
+Channel::~Channel() = default;
 
 void Channel::record(const char* kind, const torch::Tensor& tensor) {
   if (!recording) return;
@@ -22,6 +31,12 @@ void Channel::record(const char* kind, const torch::Tensor& tensor) {
 
 FuturePtr Channel::allreduce_sum(torch::Tensor tensor) {
   record("allreduce", tensor);
+  if (shared_ && tensor.is_cpu()) {
+    torch::Tensor dense = tensor.contiguous();
+    shared_->allreduce_sum(dense);
+    if (!dense.is_same(tensor)) tensor.copy_(dense);
+    return completed_future(tensor);
+  }
   std::vector<at::Tensor> tensors{std::move(tensor)};
   return group_->allreduce(tensors)->getFuture();
 }
@@ -66,13 +81,14 @@ void Channel::barrier() {
   group_->barrier()->wait();
 }
 
-Collectives::Collectives(GroupPtr group, torch::Device device, bool nccl)
+Collectives::Collectives(GroupPtr group, torch::Device device, bool nccl, std::unique_ptr<SharedMemoryReducer> shared)
     : rank_(group->getRank()),
       world_size_(group->getSize()),
       device_(device),
       nccl_(nccl),
+      shares_memory_(shared != nullptr),
       group_(group),
-      channel_(std::move(group), device, nccl) {
+      channel_(std::move(group), device, nccl, std::move(shared)) {
   thread_ = std::thread([this] { loop(); });
 }
 

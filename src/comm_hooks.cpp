@@ -48,12 +48,6 @@ std::vector<torch::Tensor> same_layout(const GradBucket& bucket, const torch::Te
   return views;
 }
 
-FuturePtr completed_future(const torch::Tensor& tensor) {
-  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
-  future->markCompleted(c10::IValue(tensor));
-  return future;
-}
-
 torch::Tensor future_tensor(const FuturePtr& future) {
   const c10::IValue& value = future->value();  // rethrows the future's error
   if (value.isTensor()) return value.toTensor();
@@ -70,7 +64,8 @@ FuturePtr GroupWire::allreduce_sum(torch::Tensor tensor) {
   stats_.elements += tensor.numel();
   stats_.bytes += tensor.numel() * static_cast<int64_t>(tensor.element_size());
   constexpr int64_t kRingFrom = 1 << 16;  // elements
-  if (tensor.scalar_type() == torch::kHalf && tensor.is_cpu() && tensor.numel() >= kRingFrom && world_size() > 1) {
+  if (tensor.scalar_type() == torch::kHalf && tensor.is_cpu() && tensor.numel() >= kRingFrom && world_size() > 1 &&
+      !channel_.shares_memory()) {
     ring_allreduce(tensor);
     return completed_future(tensor);
   }

@@ -30,6 +30,8 @@
 #include <algorithm>
 #include <functional>
 
+#include "mnist_ddp/shared_memory.hpp"
+
 // Note on the store's address. LibTorch's TCPStore listens on every
 // interface and has no option to choose one, but a store reachable from the
 // network lets anyone there join or disturb the job. The mnist_ddp
@@ -240,10 +242,13 @@ std::vector<int> Dist::silent_ranks() const {
 
 namespace {
 
-// The rank's group, with the store prefix `name`, behind an ordered stream.
+// The rank's group, with the store prefix `name`, behind an ordered stream;
+// with `shared_memory` (every rank on this host), CPU sums go through a
+// SharedMemoryReducer.
 std::shared_ptr<Collectives> make_collectives(const StorePtr& store, const std::string& name, const std::string& backend,
                                               int rank, int world_size, const torch::Device& device,
-                                              const std::string& gloo_address, std::chrono::milliseconds timeout) {
+                                              const std::string& gloo_address, std::chrono::milliseconds timeout,
+                                              bool shared_memory) {
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
   GroupPtr group;
   try {
@@ -257,13 +262,17 @@ std::shared_ptr<Collectives> make_collectives(const StorePtr& store, const std::
     throw std::runtime_error("could not form the process group with all " + std::to_string(world_size) +
                              " ranks within " + std::to_string(timeout.count() / 1000) + " s (" + error_text(e) + ")");
   }
-  return std::make_shared<Collectives>(group, device, backend == "nccl");
+  std::unique_ptr<SharedMemoryReducer> shared;
+  if (shared_memory && world_size > 1)
+    shared = std::make_unique<SharedMemoryReducer>(*prefixed, rank, world_size, timeout,
+                                                   [&] { group->barrier()->wait(); });
+  return std::make_shared<Collectives>(group, device, backend == "nccl", std::move(shared));
 }
 
 }  // namespace
 
 Dist make_dist(StorePtr store, int rank, int world_size, const std::string& backend, torch::Device device,
-               std::chrono::milliseconds timeout) {
+               std::chrono::milliseconds timeout, bool shared_memory) {
   Dist d;
   d.rank = rank;
   d.world_size = world_size;
@@ -271,7 +280,8 @@ Dist make_dist(StorePtr store, int rank, int world_size, const std::string& back
   d.device = device;
   d.timeout = timeout;
   d.store = std::move(store);
-  d.comm = make_collectives(d.store, "main", backend, rank, world_size, device, d.gloo_address, timeout);
+  d.comm = make_collectives(d.store, "main", backend, rank, world_size, device, d.gloo_address, timeout,
+                            shared_memory && backend == "gloo" && device.is_cpu());
   return d;
 }
 
@@ -381,7 +391,10 @@ Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_se
   d.gloo_address = local_address_towards(env.master_addr);
   d.store = store;
   d.heartbeat_ = std::make_shared<Heartbeat>(store, rank);
-  d.comm = make_collectives(d.store, "main", d.backend, rank, world_size, device, d.gloo_address, timeout);
+  // A CPU job on one host sums through shared memory (shared_memory.hpp).
+  const bool one_host = world_size == env.local_world_size;
+  d.comm = make_collectives(d.store, "main", d.backend, rank, world_size, device, d.gloo_address, timeout,
+                            one_host && d.backend == "gloo" && device.is_cpu());
   return d;
 }
 

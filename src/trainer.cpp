@@ -88,6 +88,7 @@ Json summary_head(const Options& opts, const Dist& dist, const Position* resumed
   Json world = Json::object();
   world["ranks"] = dist.world_size;
   world["backend"] = dist.backend;
+  world["sums"] = dist.comm->shares_memory() ? "shared memory" : dist.backend;
   world["device_of_rank_0"] = r.device;
   world["intra_op_threads_of_rank_0"] = at::get_num_threads();
   world["nodes"] = opts.nnodes;
@@ -169,8 +170,9 @@ Trainer::Trainer(const Options& opts, Dist& dist)
   spdlog::info("Arguments:");
   for (const auto& [name, value] : opts.arguments) spdlog::info("{}: {}", name, value);
   spdlog::info("Runtime: {}", runtime_of(dist.device).describe());
-  spdlog::info("Process group: {} over {} rank(s), device {}, {} intra-op thread(s) on rank 0", dist.backend,
-               dist.world_size, dist.device.str(), at::get_num_threads());
+  spdlog::info("Process group: {} over {} rank(s){}, device {}, {} intra-op thread(s) on rank 0", dist.backend,
+               dist.world_size, dist.comm->shares_memory() ? ", sums through shared memory" : "", dist.device.str(),
+               at::get_num_threads());
   spdlog::info("Data: {} training and {} test images from {}", train_.size(), test_.size(),
                raw_dir(opts.data_dir, opts.dataset));
 

@@ -10,6 +10,9 @@
 //                                      DDP averaging) under LibTorch 1.x's
 //                                      profiler; prints ms/step, writes a
 //                                      Chrome trace to TRACE
+//   mnist_ddp_bench allreduce NUMEL ROUNDS  microseconds per sum of NUMEL
+//                                      floats over 2 idle CPU processes,
+//                                      through Gloo and through shared memory
 //   mnist_ddp_bench compute-limit [STEPS] [--plain | --cuda]
 //                                      one process on one core, no DDP, no
 //                                      communication: Net's training step at
@@ -47,9 +50,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Runs fn(dist) in `world` forked processes (forked before LibTorch starts
-// any thread), set up as training workers are, over a FileStore. Returns false if
-// any process failed.
-bool run_processes(int world, const std::function<void(Dist&)>& fn) {
+// any thread), set up as training workers on one host are (by default, sums
+// through shared memory), over a FileStore. Returns false if any process
+// failed.
+bool run_processes(int world, const std::function<void(Dist&)>& fn, bool shared_memory = true) {
   char templ[] = "/tmp/mnist_ddp_bench_XXXXXX";
   const std::string dir = mkdtemp(templ);
   std::vector<pid_t> pids;
@@ -60,7 +64,7 @@ bool run_processes(int world, const std::function<void(Dist&)>& fn) {
       try {
         configure_worker_process(world);
         auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
-        Dist dist = make_dist(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(120));
+        Dist dist = make_dist(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(120), shared_memory);
         fn(dist);
         dist.comm->barrier();
       } catch (const std::exception& e) {
@@ -164,6 +168,28 @@ int breakdown(int steps) {
   return ok ? 0 : 1;
 }
 
+// Microseconds per allreduce of `numel` floats between 2 processes, through
+// Gloo and through shared memory, with the ranks otherwise idle.
+int allreduce(int64_t numel, int rounds) {
+  bool ok = true;
+  for (bool shared : {false, true}) {
+    ok = ok && run_processes(
+                   2,
+                   [&](Dist& dist) {
+                     auto t = torch::ones({numel});
+                     for (int i = 0; i < 10; ++i) dist.comm->allreduce_sum(t);
+                     const auto start = Clock::now();
+                     for (int i = 0; i < rounds; ++i) dist.comm->allreduce_sum(t);
+                     const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count() / rounds;
+                     if (dist.rank == 0)
+                       std::printf("%s: %lld floats, %.1f us per allreduce\n", shared ? "shared memory" : "gloo",
+                                   static_cast<long long>(numel), us);
+                   },
+                   shared);
+  }
+  return ok ? 0 : 1;
+}
+
 void synchronize(const torch::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
@@ -214,10 +240,12 @@ int compute_limit(int steps, const std::string& how) {
 int main(int argc, char** argv) {
   const std::string what = argc > 1 ? argv[1] : "";
   if (what == "sync-bn") return mnist_ddp::sync_bn(argc > 2 ? std::stoi(argv[2]) : 40);
+  if (what == "allreduce" && argc > 3) return mnist_ddp::allreduce(std::stoll(argv[2]), std::stoi(argv[3]));
   if (what == "breakdown") return mnist_ddp::breakdown(argc > 2 ? std::stoi(argv[2]) : 40);
   if (what == "profile" && argc > 3) return mnist_ddp::profile(std::stoi(argv[2]), argv[3]);
   if (what == "compute-limit")
     return mnist_ddp::compute_limit(argc > 2 ? std::stoi(argv[2]) : 100, argc > 3 ? argv[3] : "");
-  std::cerr << "usage: mnist_ddp_bench sync-bn [STEPS] | breakdown [STEPS] | compute-limit [STEPS] [--plain | --cuda]\n";
+  std::cerr << "usage: mnist_ddp_bench sync-bn [STEPS] | breakdown [STEPS] | allreduce NUMEL ROUNDS | "
+               "compute-limit [STEPS] [--plain | --cuda]\n";
   return 2;
 }

@@ -252,29 +252,31 @@ TEST(PowerSgd, SaveAndRestoreResumeBitIdentically) {
 }
 
 TEST(Hooks, EveryRankEndsEveryStepWithBitIdenticalGradients) {
-  for (const std::string& name : kCompressions) {
-    std::vector<Net> nets;
-    for (int r = 0; r < 2; ++r) nets.emplace_back();
-    std::vector<std::vector<torch::Tensor>> grads(2);  // per rank: every step's gradients
-    torch::manual_seed(9);
-    const auto x = torch::randn({8, 1, 28, 28});
-    const auto y = torch::randint(0, 10, {8}, torch::kInt64);
-    run_ranks(2, [&](Dist& dist) {
-      DistributedDataParallel ddp(torch::nn::AnyModule(nets[dist.rank]), dist, make_comm_hook(name, powersgd(2, 2)), 25);
-      torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.01));
-      const auto mine = x.slice(0, dist.rank * 4, dist.rank * 4 + 4), labels = y.slice(0, dist.rank * 4, dist.rank * 4 + 4);
-      for (int step = 0; step < 5; ++step) {
-        opt.zero_grad();
-        torch::nll_loss(ddp->forward(mine), labels).backward();
-        for (const auto& p : ddp->parameters()) grads[dist.rank].push_back(p.grad().clone());
-        opt.step();
-      }
-    });
-    ASSERT_EQ(grads[0].size(), grads[1].size());
-    ASSERT_EQ(grads[0].size(), 5 * nets[0]->parameters().size());
-    const size_t per_step = nets[0]->parameters().size();
-    for (size_t i = 0; i < grads[0].size(); ++i)
-      EXPECT_TRUE(torch::equal(grads[0][i], grads[1][i])) << name << " step " << i / per_step << " parameter " << i % per_step;
+  for (const test::Sums sums : {test::Sums::gloo, test::Sums::shared_memory}) {
+    for (const std::string& name : kCompressions) {
+      std::vector<Net> nets;
+      for (int r = 0; r < 2; ++r) nets.emplace_back();
+      std::vector<std::vector<torch::Tensor>> grads(2);  // per rank: every step's gradients
+      torch::manual_seed(9);
+      const auto x = torch::randn({8, 1, 28, 28});
+      const auto y = torch::randint(0, 10, {8}, torch::kInt64);
+      run_ranks(2, [&](Dist& dist) {
+        DistributedDataParallel ddp(torch::nn::AnyModule(nets[dist.rank]), dist, make_comm_hook(name, powersgd(2, 2)), 25);
+        torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.01));
+        const auto mine = x.slice(0, dist.rank * 4, dist.rank * 4 + 4), labels = y.slice(0, dist.rank * 4, dist.rank * 4 + 4);
+        for (int step = 0; step < 5; ++step) {
+          opt.zero_grad();
+          torch::nll_loss(ddp->forward(mine), labels).backward();
+          for (const auto& p : ddp->parameters()) grads[dist.rank].push_back(p.grad().clone());
+          opt.step();
+        }
+      }, torch::kCPU, sums);
+      ASSERT_EQ(grads[0].size(), grads[1].size());
+      ASSERT_EQ(grads[0].size(), 5 * nets[0]->parameters().size());
+      const size_t per_step = nets[0]->parameters().size();
+      for (size_t i = 0; i < grads[0].size(); ++i)
+        EXPECT_TRUE(torch::equal(grads[0][i], grads[1][i])) << name << " step " << i / per_step << " parameter " << i % per_step;
+    }
   }
 }
 

@@ -67,32 +67,35 @@ std::vector<SmallNet> models_with_seeds(int count, uint64_t first_seed) {
 
 TEST(Ddp, AveragedGradientsEqualOneProcessOnTheConcatenatedBatch) {
   const int64_t per_rank = 4;
-  for (int world : {2, 3}) {
-    for (double cap_mb : {25.0, 0.001}) {  // two buckets, then one bucket per parameter
-      const Batches data = make_batches(world * per_rank, 1);
-      auto oracle = models_with_seeds(1, 100).front();  // the same init as rank 0
-      torch::nll_loss(oracle->forward(data.x), data.y).backward();
+  for (test::Sums sums : {test::Sums::gloo, test::Sums::shared_memory}) {
+    for (int world : {2, 3}) {
+      for (double cap_mb : {25.0, 0.001}) {  // two buckets, then one bucket per parameter
+        const Batches data = make_batches(world * per_rank, 1);
+        auto oracle = models_with_seeds(1, 100).front();  // the same init as rank 0
+        torch::nll_loss(oracle->forward(data.x), data.y).backward();
 
-      auto models = models_with_seeds(world, 100);  // every rank starts elsewhere
-      std::vector<std::vector<torch::Tensor>> grads(world), params(world);
-      run_ranks(world, [&](Dist& dist) {
-        DistributedDataParallel ddp(torch::nn::AnyModule(models[dist.rank]), dist, std::make_unique<AllreduceHook>(),
-                                    cap_mb);
-        const int64_t begin = dist.rank * per_rank;
-        auto out = ddp->forward(data.x.slice(0, begin, begin + per_rank));
-        torch::nll_loss(out, data.y.slice(0, begin, begin + per_rank)).backward();
-        for (const auto& p : ddp->parameters()) {
-          grads[dist.rank].push_back(p.grad().clone());
-          params[dist.rank].push_back(p.detach().clone());
-        }
-      });
-      const auto expected = oracle->parameters();
-      for (int r = 0; r < world; ++r) {
-        ASSERT_EQ(grads[r].size(), expected.size());
-        for (size_t i = 0; i < expected.size(); ++i) {
-          EXPECT_TRUE(torch::equal(params[r][i], expected[i])) << "rank " << r << " did not start from rank 0's state";
-          EXPECT_LE(max_abs_diff(grads[r][i], expected[i].grad()), 1e-5)
-              << "world " << world << " cap " << cap_mb << " rank " << r << " parameter " << i;
+        auto models = models_with_seeds(world, 100);  // every rank starts elsewhere
+        std::vector<std::vector<torch::Tensor>> grads(world), params(world);
+        run_ranks(world, [&](Dist& dist) {
+          DistributedDataParallel ddp(torch::nn::AnyModule(models[dist.rank]), dist, std::make_unique<AllreduceHook>(),
+                                      cap_mb);
+          const int64_t begin = dist.rank * per_rank;
+          auto out = ddp->forward(data.x.slice(0, begin, begin + per_rank));
+          torch::nll_loss(out, data.y.slice(0, begin, begin + per_rank)).backward();
+          for (const auto& p : ddp->parameters()) {
+            grads[dist.rank].push_back(p.grad().clone());
+            params[dist.rank].push_back(p.detach().clone());
+          }
+        }, torch::kCPU, sums);
+        const auto expected = oracle->parameters();
+        for (int r = 0; r < world; ++r) {
+          ASSERT_EQ(grads[r].size(), expected.size());
+          for (size_t i = 0; i < expected.size(); ++i) {
+            EXPECT_TRUE(torch::equal(params[r][i], expected[i])) << "rank " << r << " did not start from rank 0's state";
+            EXPECT_LE(max_abs_diff(grads[r][i], expected[i].grad()), 1e-5)
+                << (sums == test::Sums::gloo ? "gloo" : "shared memory") << ", world " << world << " cap " << cap_mb
+                << " rank " << r << " parameter " << i;
+          }
         }
       }
     }

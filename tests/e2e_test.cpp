@@ -54,6 +54,9 @@ TEST(EndToEnd, TwoGlooWorkersLearnMnistInOneEpoch) {
   EXPECT_TRUE(summary.at("finished").boolean());
   EXPECT_EQ(summary.at("arguments").at("compression").string(), "none");
   EXPECT_EQ(summary.at("world").at("ranks").number(), 2);
+  // Workers on one host sum through shared memory (multinode_test: not across nodes).
+  EXPECT_EQ(summary.at("world").at("sums").string(), "shared memory");
+  EXPECT_NE(log.find("Process group: gloo over 2 rank(s), sums through shared memory, device cpu"), std::string::npos);
   ASSERT_EQ(summary.at("epochs").size(), 1u);
   const Json& epoch = summary.at("epochs").at(0);
   const double accuracy = epoch.at("test").at("top1").number();

@@ -19,6 +19,7 @@ struct Case {
   std::vector<int64_t> batch_sizes;  // one per rank; they may differ, and be 0
   int steps;
   bool relu = false;  // SyncBatchNorm::forward_relu against relu(BatchNorm2d)
+  test::Sums sums = test::Sums::gloo;
 };
 
 // Every rank's slice of one global batch goes through SyncBatchNorm; the
@@ -82,7 +83,7 @@ void expect_matches_batch_norm_on_the_concatenated_batch(const Case& c, torch::D
     EXPECT_LE(max_abs_diff(bn->running_var, oracle->running_var), 1e-5);
     EXPECT_EQ(bn->num_batches_tracked.item<int64_t>(), oracle->num_batches_tracked.item<int64_t>());
       },
-      device);
+      device, c.sums);
 }
 
 TEST(SyncBatchNorm, TwoRanksWithUnequalBatchesMatchBatchNormOnTheWholeBatch) {
@@ -103,6 +104,12 @@ TEST(SyncBatchNorm, FusedWithReluMatchesReluOfBatchNormOnTheWholeBatch) {
   expect_matches_batch_norm_on_the_concatenated_batch({{3, 5}, 3, true});
   expect_matches_batch_norm_on_the_concatenated_batch({{4, 1, 6}, 3, true});
   expect_matches_batch_norm_on_the_concatenated_batch({{4, 0, 3}, 2, true});
+}
+
+// As a job on one host runs: its statistics summed through shared memory.
+TEST(SyncBatchNorm, RanksSummingThroughSharedMemoryMatchBatchNormOnTheWholeBatch) {
+  expect_matches_batch_norm_on_the_concatenated_batch({{4, 1, 6}, 3, false, test::Sums::shared_memory});
+  expect_matches_batch_norm_on_the_concatenated_batch({{4, 0, 3}, 2, true, test::Sums::shared_memory});
 }
 
 TEST(CudaSyncBatchNorm, TwoRanksSharingOneGpuMatchBatchNormOnTheWholeBatch) {

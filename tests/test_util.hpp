@@ -41,10 +41,15 @@ namespace mnist_ddp::test {
 
 void run_rank_processes(int world, const std::function<void(Dist&)>& fn, torch::Device device);
 
+// How CPU ranks sum: through their Gloo group, or through shared memory as
+// a job on one host does (shared_memory.hpp).
+enum class Sums { gloo, shared_memory };
+
 // Runs fn(dist) on `world` ranks with Gloo groups, their tensors on
 // `device`. On the CPU each rank is a thread, all over one in-memory store;
 // the first failure is rethrown. On a GPU, see run_rank_processes.
-inline void run_ranks(int world, const std::function<void(Dist&)>& fn, torch::Device device = torch::kCPU) {
+inline void run_ranks(int world, const std::function<void(Dist&)>& fn, torch::Device device = torch::kCPU,
+                      Sums sums = Sums::gloo) {
   if (device.is_cuda()) return run_rank_processes(world, fn, device);
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::thread> threads;
@@ -53,7 +58,8 @@ inline void run_ranks(int world, const std::function<void(Dist&)>& fn, torch::De
   for (int rank = 0; rank < world; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        Dist dist = make_dist(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(60));
+        Dist dist = make_dist(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(60),
+                              sums == Sums::shared_memory);
         fn(dist);
         if (world > 1) dist.comm->barrier();  // no rank tears its group down while another still talks on it
       } catch (...) {

@@ -49,12 +49,21 @@ using Group = c10d::ProcessGroup;
 using GroupPtr = c10::intrusive_ptr<Group>;
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
+class SharedMemoryReducer;
+
+// A future that is already complete with `tensor`.
+FuturePtr completed_future(const torch::Tensor& tensor);
+
 // The process group as the communication thread sees it. Only tasks of a
 // Collectives (below) touch a Channel, so its calls are never concurrent.
 // When recording, each call appends "kind dtype [sizes]" to the log.
+//
+// With a SharedMemoryReducer (every rank on this host, CPU tensors), sums
+// of CPU tensors go through it and everything else through the group.
 class Channel {
  public:
-  Channel(GroupPtr group, torch::Device device, bool nccl);
+  Channel(GroupPtr group, torch::Device device, bool nccl, std::unique_ptr<SharedMemoryReducer> shared = nullptr);
+  ~Channel();
 
   int rank() const { return group_->getRank(); }
   int world_size() const { return group_->getSize(); }
@@ -62,8 +71,11 @@ class Channel {
   const torch::Device& device() const { return device_; }
 
   // Sums `tensor` over ranks in place; the future completes with it. Runs
-  // asynchronously: several may be in flight, completing in issue order.
+  // asynchronously through the group (several may be in flight, completing
+  // in issue order), synchronously through shared memory.
   FuturePtr allreduce_sum(torch::Tensor tensor);
+  // Whether CPU sums go through shared memory.
+  bool shares_memory() const { return shared_ != nullptr; }
   // Blocking.
   void broadcast(torch::Tensor& tensor, int root);
   // Every rank's `tensor` (same shape and dtype) on rank 0, in rank order, on
@@ -85,6 +97,7 @@ class Channel {
   GroupPtr group_;
   torch::Device device_;
   bool nccl_;
+  std::unique_ptr<SharedMemoryReducer> shared_;
   int tag_ = 0;  // point-to-point tags, the same sequence on every rank
 };
 
@@ -93,8 +106,9 @@ class Collectives {
   using Task = std::function<void(Channel&)>;
   using Ticket = uint64_t;
 
-  // Starts the communication thread, which makes `device` current for itself.
-  Collectives(GroupPtr group, torch::Device device, bool nccl);
+  // Starts the communication thread, which makes `device` current for
+  // itself. `shared`: see Channel.
+  Collectives(GroupPtr group, torch::Device device, bool nccl, std::unique_ptr<SharedMemoryReducer> shared = nullptr);
   // Runs what is still queued, stops the thread, and shuts an NCCL group down.
   ~Collectives();
   Collectives(const Collectives&) = delete;
@@ -103,6 +117,8 @@ class Collectives {
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   const torch::Device& device() const { return device_; }
+  // Whether CPU sums go through shared memory (see Channel).
+  bool shares_memory() const { return shares_memory_; }
 
   // Queues `task` behind every task posted before it; never blocks on the
   // network. Any thread may post.
@@ -137,6 +153,7 @@ class Collectives {
   const int rank_, world_size_;
   const torch::Device device_;
   const bool nccl_;
+  const bool shares_memory_;
   GroupPtr group_;
   Channel channel_;
 

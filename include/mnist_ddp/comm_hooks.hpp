@@ -44,9 +44,6 @@ struct GradBucket {
 // The gradients' shapes laid over `flat`, a tensor of the bucket's size.
 std::vector<torch::Tensor> same_layout(const GradBucket& bucket, const torch::Tensor& flat);
 
-// A future that is already complete with `tensor`.
-FuturePtr completed_future(const torch::Tensor& tensor);
-
 // The tensor a hook's future completed with (a Tensor, or a list of one).
 torch::Tensor future_tensor(const FuturePtr& future);
 
@@ -70,10 +67,11 @@ struct WireStats {
 // The wire of the collective stream's channel, for use inside a task.
 // Counts what it sends into `stats`.
 //
-// Large float16 tensors on CPU go round a ring of point-to-point transfers
-// that adds in float32: Gloo's own allreduce adds float16 one element at a
-// time, which made the fp16 hook slower than sending float32. Small ones
-// (PowerSGD's P and Q) stay with Gloo, whose allreduce runs asynchronously.
+// Without shared memory, large float16 tensors on CPU go round a ring of
+// point-to-point transfers that adds in float32: Gloo's own allreduce adds
+// float16 one element at a time, which made the fp16 hook slower than
+// sending float32. Small ones (PowerSGD's P and Q) stay with Gloo, whose
+// allreduce runs asynchronously.
 class GroupWire : public Wire {
  public:
   GroupWire(Channel& channel, WireStats& stats) : channel_(channel), stats_(stats) {}

@@ -54,11 +54,12 @@ struct Dist {
 };
 
 // Builds a Dist over an existing store (tests use a HashStore shared by
-// threads). Creates the
-// group; blocks until every rank has joined. `backend` "gloo" takes CPU or
-// CUDA tensors, "nccl" CUDA tensors.
+// threads). Creates the group; blocks until every rank has joined.
+// `backend` "gloo" takes CPU or CUDA tensors, "nccl" CUDA tensors. With
+// `shared_memory` (every rank on this host), a Gloo group on the CPU sums
+// through shared memory, as connect() does for a job on one host.
 Dist make_dist(StorePtr store, int rank, int world_size, const std::string& backend, torch::Device device,
-               std::chrono::milliseconds timeout);
+               std::chrono::milliseconds timeout, bool shared_memory = false);
 
 // Hosts the job's TCPStore at addr:port (port 0: a free one; reachable only
 // at addr's IPv4 address), or, unless `host`, reaches it within `timeout`.

@@ -1,0 +1,149 @@
+// Sums through shared memory: the exact math, every dtype a step sends,
+// tensors larger than a slot, and the ways a peer can fail.
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+
+#include <chrono>
+#include <thread>
+
+#include "mnist_ddp/shared_memory.hpp"
+#include "test_util.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+using namespace std::chrono_literals;
+using test::run_ranks;
+using test::Sums;
+
+// Rank r's tensor: values that round differently in every order of adding.
+torch::Tensor values(int rank, int64_t n, torch::ScalarType dtype) {
+  auto gen = at::detail::createCPUGenerator(100 + rank);
+  auto t = torch::randn({n}, gen, torch::kFloat64) * std::pow(10.0, rank);
+  if (dtype == torch::kInt64) t = t * 1000;
+  return t.to(dtype);
+}
+
+// The segment names this process created (rank 0 of threads is this process).
+int segments_of_this_process() {
+  const std::string prefix = "mnist_ddp." + std::to_string(getpid()) + ".";
+  int count = 0;
+  if (DIR* dir = opendir("/dev/shm")) {
+    while (const dirent* entry = readdir(dir)) count += std::string(entry->d_name).rfind(prefix, 0) == 0;
+    closedir(dir);
+  }
+  return count;
+}
+
+TEST(SharedMemory, SumsEveryDtypeInRankOrderAsTheExactMath) {
+  struct Sum {
+    int64_t n;
+    torch::ScalarType dtype;
+  };
+  // Small (each rank adds every slot), large (each adds its share), and
+  // larger than a slot (in pieces, alternating the two slot sets).
+  const std::vector<Sum> sums = {{5, torch::kFloat32},      {100'000, torch::kFloat32}, {1'500'000, torch::kFloat32},
+                                 {17, torch::kFloat64},     {70'000, torch::kFloat16},  {9, torch::kInt64},
+                                 {0, torch::kFloat32}};
+  const int world = 3;
+  run_ranks(
+      world,
+      [&](Dist& dist) {
+        bool shares = false;
+        dist.comm->run([&](Channel& c) { shares = c.shares_memory(); });
+        ASSERT_TRUE(shares);
+        for (const auto& s : sums) {
+          torch::Tensor mine = values(dist.rank, s.n, s.dtype);
+          dist.comm->allreduce_sum(mine);
+          torch::Tensor expected;
+          if (s.dtype == torch::kFloat16) {
+            expected = values(0, s.n, s.dtype).to(torch::kFloat32);
+            for (int r = 1; r < world; ++r) expected = expected + values(r, s.n, s.dtype).to(torch::kFloat32);
+            expected = expected.to(torch::kFloat16);
+          } else {
+            expected = values(0, s.n, s.dtype);
+            for (int r = 1; r < world; ++r) expected = expected + values(r, s.n, s.dtype);
+          }
+          EXPECT_TRUE(torch::equal(mine, expected)) << s.n << " of " << s.dtype << " on rank " << dist.rank;
+        }
+        // A view that is not contiguous is summed in place.
+        torch::Tensor matrix = values(dist.rank, 12, torch::kFloat32).view({3, 4});
+        torch::Tensor column = matrix.select(1, 2);
+        dist.comm->allreduce_sum(column);
+        torch::Tensor expected = values(0, 12, torch::kFloat32).view({3, 4}).select(1, 2).clone();
+        for (int r = 1; r < world; ++r) expected += values(r, 12, torch::kFloat32).view({3, 4}).select(1, 2);
+        EXPECT_TRUE(torch::equal(matrix.select(1, 2), expected));
+      },
+      torch::kCPU, Sums::shared_memory);
+  EXPECT_EQ(segments_of_this_process(), 0) << "a segment was left in /dev/shm";
+}
+
+// Ranks as threads of this process, each with a reducer over `store`; the
+// barrier the constructor needs, through the store.
+std::function<void()> store_barrier(c10d::Store& store, int world) {
+  return [&store, world] {
+    store.add("mapped", 1);
+    while (store.add("mapped", 0) < world) std::this_thread::sleep_for(1ms);
+  };
+}
+
+TEST(SharedMemory, ARankThatNeverArrivesIsNamedAfterTheTimeout) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::unique_ptr<SharedMemoryReducer> late;
+  std::thread rank1([&] { late = std::make_unique<SharedMemoryReducer>(*store, 1, 2, 1000ms, store_barrier(*store, 2)); });
+  SharedMemoryReducer rank0(*store, 0, 2, 1000ms, store_barrier(*store, 2));
+  rank1.join();
+  auto t = torch::ones({4});
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    rank0.allreduce_sum(t);
+    ADD_FAILURE() << "the sum completed without rank 1";
+  } catch (const PeerLost& e) {
+    ADD_FAILURE() << "rank 1 runs, yet: " << e.what();
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "rank 1 did not reach a collective within 1 s (--timeout)");
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+}
+
+// Rank 1 is a child process that maps the segment and exits; rank 0, in
+// this process, learns it within milliseconds, before its parent (this
+// process) has even reaped it.
+TEST(SharedMemory, APeerWhoseProcessEndedIsNamedAtOnce) {
+  test::TempDir dir;
+  const std::string path = dir / "store";
+  const pid_t child = fork();
+  if (child == 0) {
+    try {
+      c10d::FileStore store(path, 2);
+      SharedMemoryReducer rank1(store, 1, 2, 60'000ms, store_barrier(store, 2));
+    } catch (...) {
+      _exit(1);
+    }
+    _exit(0);
+  }
+  ASSERT_GT(child, 0);
+  c10d::FileStore store(path, 2);
+  SharedMemoryReducer rank0(store, 0, 2, 60'000ms, store_barrier(store, 2));
+  auto t = torch::ones({4});
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    rank0.allreduce_sum(t);
+    ADD_FAILURE() << "the sum completed without rank 1";
+  } catch (const PeerLost& e) {
+    EXPECT_STREQ(e.what(), "lost rank 1: its process ended during a collective");
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child could not join";
+  EXPECT_EQ(segments_of_this_process(), 0) << "a segment was left in /dev/shm";
+}
+
+}  // namespace
+}  // namespace mnist_ddp
