@@ -1,5 +1,6 @@
 #include "mnist_ddp/model.hpp"
 
+#include "mnist_ddp/layers.hpp"
 #include "mnist_ddp/sync_batch_norm.hpp"
 
 namespace mnist_ddp {
@@ -23,11 +24,10 @@ torch::Tensor NetImpl::norm_relu(const std::string& name, const torch::Tensor& x
 torch::Tensor NetImpl::forward(torch::Tensor x) {
   x = norm_relu("bn1", conv1->forward(x));
   x = norm_relu("bn2", conv2->forward(x));
-  x = torch::max_pool2d(x, 2);
-  x = torch::dropout(x, 0.25, is_training());
+  x = max_pool2_dropout(x, 0.25, is_training());
   x = torch::flatten(x, 1);
   x = torch::relu(fc1->forward(x));
-  x = torch::dropout(x, 0.5, is_training());
+  x = net_dropout(x, 0.5, is_training());
   return torch::log_softmax(fc2->forward(x), 1);
 }
 
