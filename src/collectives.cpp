@@ -86,7 +86,6 @@ Collectives::Collectives(GroupPtr group, torch::Device device, bool nccl, std::u
       world_size_(group->getSize()),
       device_(device),
       nccl_(nccl),
-      shares_memory_(shared != nullptr),
       group_(group),
       channel_(std::move(group), device, nccl, std::move(shared)) {
   thread_ = std::thread([this] { loop(); });

@@ -89,9 +89,9 @@ std::string segment_name() {
   return name;
 }
 
-std::runtime_error segment_error(const std::string& what, const std::string& name) {
+std::runtime_error segment_error(const std::string& what, const std::string& name, int error) {
   return std::runtime_error("shared memory for the ranks on this host: " + what + " /dev/shm" + name + ": " +
-                            std::strerror(errno));
+                            std::strerror(error));
 }
 
 at::Tensor flat_view(char* at, int64_t numel, at::ScalarType dtype) {
@@ -127,29 +127,27 @@ SharedMemoryReducer::SharedMemoryReducer(c10d::Store& store, int rank, int world
   if (rank == 0) {
     name = segment_name();
     fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) throw segment_error("cannot create", name);
+    if (fd < 0) throw segment_error("cannot create", name, errno);
     // Reserve the pages now: a tmpfs that is full would otherwise answer
     // the first touch of a page with SIGBUS.
     if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(size_)); err != 0) {
-      errno = err;
       close(fd);
       shm_unlink(name.c_str());
-      throw segment_error("cannot reserve " + std::to_string(size_ >> 20) + " MB in", name);
+      throw segment_error("cannot reserve " + std::to_string(size_ >> 20) + " MB in", name, err);
     }
     store.set("shared_memory", bytes_of(name));
   } else {
     store.wait({"shared_memory"}, timeout);
     name = text_of(store.get("shared_memory"));
     fd = shm_open(name.c_str(), O_RDWR, 0600);
-    if (fd < 0) throw segment_error("cannot open", name);
+    if (fd < 0) throw segment_error("cannot open", name, errno);
   }
   void* mapped = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int mmap_errno = errno;
   close(fd);
   if (mapped == MAP_FAILED) {
     if (rank == 0) shm_unlink(name.c_str());
-    errno = mmap_errno;
-    throw segment_error("cannot map", name);
+    throw segment_error("cannot map", name, mmap_errno);
   }
   base_ = static_cast<char*>(mapped);
   pid_of(base_, world_size, rank).store(static_cast<int32_t>(getpid()));

@@ -118,7 +118,7 @@ class Collectives {
   int world_size() const { return world_size_; }
   const torch::Device& device() const { return device_; }
   // Whether CPU sums go through shared memory (see Channel).
-  bool shares_memory() const { return shares_memory_; }
+  bool shares_memory() const { return channel_.shares_memory(); }
 
   // Queues `task` behind every task posted before it; never blocks on the
   // network. Any thread may post.
@@ -153,7 +153,6 @@ class Collectives {
   const int rank_, world_size_;
   const torch::Device device_;
   const bool nccl_;
-  const bool shares_memory_;
   GroupPtr group_;
   Channel channel_;
 

@@ -49,9 +49,6 @@ class SharedMemoryReducer {
   // timeout.
   void allreduce_sum(at::Tensor& tensor);
 
-  // Bytes one rank puts in the segment at a time; larger tensors go in pieces.
-  size_t slot_bytes() const { return slot_bytes_; }
-
  private:
   void barrier();
   bool all_arrived(uint64_t barrier) const;
@@ -60,7 +57,7 @@ class SharedMemoryReducer {
 
   const int rank_, world_size_;
   const std::chrono::milliseconds timeout_;
-  size_t slot_bytes_ = 0;
+  size_t slot_bytes_ = 0;  // what one rank puts in the segment at a time; larger tensors go in pieces
   size_t size_ = 0;       // of the mapping
   char* base_ = nullptr;  // the mapping
   uint64_t barriers_ = 0; // barriers this rank has entered, the same count on every rank
