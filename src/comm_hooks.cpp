@@ -163,7 +163,39 @@ torch::Tensor exact_row_sum(const torch::Tensor& a) {
   return rows[0];
 }
 
+namespace {
+
+// exact_outer_product on the CPU in one pass over `out`, row by row, with
+// the same roundings as the tensor ops below: each product rounded, then
+// added in order. A fused multiply-add would round once and break that
+// (and agreement with ranks on a GPU), so the compiler may not contract.
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void outer_product_rows(float* out, const float* p, const float* q_t, int64_t n, int64_t m, int64_t r) {
+  for (int64_t i = 0; i < n; ++i, out += m) {
+    const float first = p[i * r];
+    for (int64_t j = 0; j < m; ++j) out[j] = first * q_t[j];
+    for (int64_t k = 1; k < r; ++k) {
+      const float pk = p[i * r + k];
+      const float* qk = q_t + k * m;
+      for (int64_t j = 0; j < m; ++j) {
+        const float product = pk * qk[j];
+        out[j] = out[j] + product;
+      }
+    }
+  }
+}
+
+}  // namespace
+
 void exact_outer_product(torch::Tensor out, const torch::Tensor& p, const torch::Tensor& q) {
+  if (out.is_cpu() && out.scalar_type() == torch::kFloat32 && out.is_contiguous()) {
+    const auto p_rows = p.contiguous(), q_t = q.t().contiguous();
+    outer_product_rows(out.data_ptr<float>(), p_rows.data_ptr<float>(), q_t.data_ptr<float>(), out.size(0),
+                       out.size(1), p.size(1));
+    return;
+  }
   torch::mul_out(out, p.narrow(1, 0, 1), q.narrow(1, 0, 1).t());
   for (int64_t k = 1; k < p.size(1); ++k) out.add_(p.narrow(1, k, 1) * q.narrow(1, k, 1).t());
 }
@@ -308,13 +340,13 @@ void BatchedPowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
   const int64_t r = std::min<int64_t>(opt.rank, side);
 
   // M: the bucket zero-padded to side x side, plus the carried error.
-  torch::Tensor padded = torch::zeros({side * side}, input.options());
-  torch::Tensor error;
+  torch::Tensor padded, error;
   if (opt.error_feedback) {
-    error = carried_error(st, b, padded);
+    error = carried_error(st, b, input.new_empty({side * side}));
     error.slice(0, 0, total).add_(input);
     padded = error;
   } else {
+    padded = torch::zeros({side * side}, input.options());
     padded.slice(0, 0, total).copy_(input);
   }
   const torch::Tensor matrix = padded.view({side, side});

@@ -132,6 +132,21 @@ TEST(ExactMath, ResultsAreBitIdenticalWhateverTheThreadCount) {
   at::set_num_threads(before);
 }
 
+// The CPU's one-pass outer product rounds as the tensor ops do (a GPU's
+// ranks run those): each product, then each add, in order.
+TEST(ExactMath, TheCpusOnePassOuterProductRoundsAsTheTensorOps) {
+  torch::manual_seed(14);
+  const auto p = torch::randn({37, 3}), q = torch::randn({53, 3}) * 1e3;
+  auto expected = p.narrow(1, 0, 1) * q.narrow(1, 0, 1).t();
+  for (int64_t k = 1; k < 3; ++k) expected.add_(p.narrow(1, k, 1) * q.narrow(1, k, 1).t());
+  auto out = torch::empty({37, 53});
+  exact_outer_product(out, p, q);
+  EXPECT_TRUE(torch::equal(out, expected));
+  auto strided = torch::empty({53, 37}).t();  // not contiguous: the tensor ops themselves
+  exact_outer_product(strided, p, q);
+  EXPECT_TRUE(torch::equal(strided, expected));
+}
+
 TEST(ExactMath, AgreesWithFloat64MathWithinRounding) {
   torch::manual_seed(13);
   for (int64_t n : {1, 2, 3, 7, 64, 1000}) {
