@@ -98,10 +98,7 @@ Collectives::~Collectives() {
   }
   cv_.notify_all();
   thread_.join();
-#if defined(MNIST_DDP_WITH_CUDA) && TORCH_VERSION_MAJOR >= 2
-  // LibTorch 2.x warns at exit about an NCCL group nobody shut down.
-  if (nccl_ && !error_) static_cast<c10d::ProcessGroupNCCL&>(*group_).shutdown();
-#endif
+  if (nccl_ && !error_) port::shut_down_nccl(*group_);
 }
 
 void Collectives::maybe_delay() {

@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <functional>
 
+#include "mnist_ddp/port.hpp"
 #include "mnist_ddp/shared_memory.hpp"
 
 // Note on the store's address. LibTorch's TCPStore listens on every
@@ -288,6 +289,12 @@ Dist make_dist(StorePtr store, int rank, int world_size, const std::string& back
 std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 std::string text_of(const std::vector<uint8_t>& b) { return std::string(b.begin(), b.end()); }
 
+namespace {
+// Whether this process's stores use libuv: tried where LibTorch offers it,
+// given up for good once LibTorch says it was built without.
+std::atomic<bool> g_store_libuv{port::kStoreMayUseLibUv};
+}  // namespace
+
 c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port, bool host,
                                               std::chrono::milliseconds timeout) {
   c10d::TCPStoreOptions so;
@@ -297,7 +304,17 @@ c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port,
   so.timeout = timeout;
   try {
     if (host) g_store_address = ipv4_address(addr);
-    auto store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    c10::intrusive_ptr<c10d::TCPStore> store;
+    for (;;) {
+      port::set_store_libuv(so, g_store_libuv);
+      try {
+        store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+        break;
+      } catch (const std::exception& e) {
+        if (!g_store_libuv || error_text(e).find("libuv") == std::string::npos) throw;
+        g_store_libuv = false;  // this LibTorch has no libuv: its classic store
+      }
+    }
     g_store_address = INADDR_NONE;
     return store;
   } catch (const std::exception& e) {
@@ -332,9 +349,12 @@ Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_se
     use_device(device);
   }
 
-  // ---- The store: our launcher's (node 0's), else rank 0's. ----
-  StorePtr store = open_store(env.master_addr, env.master_port, env.round < 0 && env.rank == 0, timeout);
+  // ---- The store: our launcher's (node 0's), torchrun's agent's, else rank 0's. ----
+  StorePtr store =
+      open_store(env.master_addr, env.master_port, env.round < 0 && !env.agent_store && env.rank == 0, timeout);
   if (env.round >= 0) store = c10::make_intrusive<c10d::PrefixStore>("round/" + std::to_string(env.round), store);
+  if (env.agent_store)
+    store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(env.restart), store);
 
   // ---- Ranks: given by torchrun or Slurm, else agreed by the nodes. ----
   int rank = env.rank, world_size = env.world_size;
@@ -388,6 +408,7 @@ Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_se
   d.backend = placement.backend;
   d.device = device;
   d.timeout = timeout;
+  d.restart = env.restart;
   d.gloo_address = local_address_towards(env.master_addr);
   d.store = store;
   d.heartbeat_ = std::make_shared<Heartbeat>(store, rank);
@@ -401,6 +422,7 @@ Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_se
 Runtime runtime_of(const torch::Device& device) {
   Runtime r;
   r.libtorch = TORCH_VERSION;
+  r.store = g_store_libuv ? "libuv" : "classic";
   r.device = device.str();
 #ifdef MNIST_DDP_WITH_CUDA
   r.cuda = std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
@@ -411,8 +433,9 @@ Runtime runtime_of(const torch::Device& device) {
 }
 
 std::string Runtime::describe() const {
-  if (cuda.empty()) return "LibTorch " + libtorch + " (CPU only: no CUDA, no NCCL)";
-  return "LibTorch " + libtorch + ", CUDA " + cuda + ", NCCL " + nccl + ", device " + device;
+  const std::string store_kind = ", " + store + " store";
+  if (cuda.empty()) return "LibTorch " + libtorch + " (CPU only: no CUDA, no NCCL)" + store_kind;
+  return "LibTorch " + libtorch + ", CUDA " + cuda + ", NCCL " + nccl + ", device " + device + store_kind;
 }
 
 void use_device(const torch::Device& device) {

@@ -53,6 +53,14 @@ int exit_code_of(int status) {
   return 1;
 }
 
+// What the launcher reads from its signalfd.
+sigset_t launcher_signals() {
+  sigset_t mask;
+  sigemptyset(&mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGCHLD}) sigaddset(&mask, sig);
+  return mask;
+}
+
 size_t env_count() {
   size_t n = 0;
   while (environ[n]) ++n;
@@ -98,7 +106,7 @@ pid_t start_worker(const std::vector<std::string>& argv, std::vector<std::string
 void stop_workers(std::vector<Worker>& workers, int sig = SIGTERM,
                   std::chrono::steady_clock::duration grace = kGracePeriod) {
   for (const auto& w : workers)
-    if (w.running) kill(w.pid, sig);
+    if (w.running && w.pid > 0) kill(w.pid, sig);
   const auto deadline = std::chrono::steady_clock::now() + grace;
   bool killed = false;
   for (;;) {
@@ -108,7 +116,7 @@ void stop_workers(std::vector<Worker>& workers, int sig = SIGTERM,
     if (std::none_of(workers.begin(), workers.end(), [](const Worker& w) { return w.running; })) return;
     if (!killed && std::chrono::steady_clock::now() > deadline) {
       for (const auto& w : workers)
-        if (w.running) kill(w.pid, SIGKILL);
+        if (w.running && w.pid > 0) kill(w.pid, SIGKILL);
       killed = true;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -117,8 +125,9 @@ void stop_workers(std::vector<Worker>& workers, int sig = SIGTERM,
 
 class Launcher {
  public:
-  Launcher(const Options& opts, const Placement& placement, const std::vector<std::string>& argv)
-      : opts_(opts), placement_(placement), argv_(argv) {}
+  Launcher(const Options& opts, const Placement& placement, const std::vector<std::string>& argv,
+           const sigset_t& original_mask)
+      : opts_(opts), placement_(placement), argv_(argv), old_mask_(original_mask) {}
 
   ~Launcher() {
     stop_all();
@@ -132,12 +141,8 @@ class Launcher {
     for (int r = 0; r < placement_.local_workers; ++r) workers_[r].rank = r;
 
     // Signals are taken from a signalfd, so none can arrive between two
-    // checks. They are blocked before the store starts its threads, which
-    // would otherwise take (and drop) SIGCHLD.
-    sigset_t mask;
-    sigemptyset(&mask);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGCHLD}) sigaddset(&mask, sig);
-    if (sigprocmask(SIG_BLOCK, &mask, &old_mask_) != 0) fail_errno("sigprocmask");
+    // checks; main() blocked them before any thread existed.
+    const sigset_t mask = launcher_signals();
     signal_fd_ = signalfd(-1, &mask, SFD_CLOEXEC);
     if (signal_fd_ < 0) fail_errno("signalfd");
     int error_pipe[2];
@@ -417,7 +422,7 @@ class Launcher {
   const Placement placement_;
   std::vector<std::string> argv_;
   std::vector<Worker> workers_;
-  sigset_t old_mask_{};
+  sigset_t old_mask_;  // the mask before block_launcher_signals(): the workers start with it
   int signal_fd_ = -1;
   int error_fd_ = -1, error_write_fd_ = -1;
   std::string error_text_;
@@ -431,8 +436,16 @@ class Launcher {
 
 }  // namespace
 
-int run_launcher(const Options& opts, const Placement& placement, const std::vector<std::string>& argv) {
-  Launcher launcher(opts, placement, argv);
+sigset_t block_launcher_signals() {
+  const sigset_t mask = launcher_signals();
+  sigset_t original;
+  if (sigprocmask(SIG_BLOCK, &mask, &original) != 0) fail_errno("sigprocmask");
+  return original;
+}
+
+int run_launcher(const Options& opts, const Placement& placement, const std::vector<std::string>& argv,
+                 const sigset_t& original_mask) {
+  Launcher launcher(opts, placement, argv, original_mask);
   return launcher.run();
 }
 

@@ -70,6 +70,7 @@ inline void cpu_relax() {
 // Whether process `pid` still runs: it exists and is not a zombie that its
 // parent has yet to reap.
 bool running(pid_t pid) {
+  if (pid <= 0) return true;  // not yet recorded: never probe 0 or -1 (our group, everyone)
   if (kill(pid, 0) != 0 && errno == ESRCH) return false;
   char path[64];
   std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));

@@ -6,7 +6,10 @@
 #include <chrono>
 #include <cmath>
 #include <array>
+#include <cstdio>
 #include <cstdlib>
+#include <sstream>
+#include <string>
 
 #include "mnist_ddp/comm_hooks.hpp"
 #include "mnist_ddp/files.hpp"
@@ -58,6 +61,22 @@ std::function<void(const std::string&)> kill_point() {
   };
 }
 
+// Fault injection for tests: with MNIST_DDP_KILL_AFTER_STEP=R:K:S[,R:K:S...]
+// in its environment, the worker of rank K in the job's start R of its
+// workers (Dist::restart) kills itself with SIGKILL right after training
+// step S, so a crash test lands on a step of its choosing however fast or
+// slow the machine is. Returns that step for `restart` and `rank`, else -1.
+int64_t kill_after_step(int restart, int rank) {
+  const char* spec = std::getenv("MNIST_DDP_KILL_AFTER_STEP");
+  std::istringstream entries(spec ? spec : "");
+  for (std::string entry; std::getline(entries, entry, ',');) {
+    int r = -1, k = -1;
+    long long step = -1;
+    if (std::sscanf(entry.c_str(), "%d:%d:%lld", &r, &k, &step) == 3 && r == restart && k == rank) return step;
+  }
+  return -1;
+}
+
 // Seconds since the Unix epoch.
 double unix_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -84,6 +103,7 @@ Json summary_head(const Options& opts, const Dist& dist, const Position* resumed
   runtime["libtorch"] = r.libtorch;
   runtime["cuda"] = r.cuda.empty() ? Json() : Json(r.cuda);
   runtime["nccl"] = r.nccl.empty() ? Json() : Json(r.nccl);
+  runtime["store"] = r.store;
   head["runtime"] = std::move(runtime);
   Json world = Json::object();
   world["ranks"] = dist.world_size;
@@ -92,6 +112,7 @@ Json summary_head(const Options& opts, const Dist& dist, const Position* resumed
   world["device_of_rank_0"] = r.device;
   world["intra_op_threads_of_rank_0"] = at::get_num_threads();
   world["nodes"] = opts.nnodes;
+  world["restart"] = dist.restart;  // 0, or how many times a launcher (ours, torchrun) restarted the workers
   head["world"] = std::move(world);
   Json from;
   if (resumed) {
@@ -166,7 +187,8 @@ Trainer::Trainer(const Options& opts, Dist& dist)
       train_(load_dataset(opts.data_dir, opts.dataset, /*train=*/true)),
       test_(load_dataset(opts.data_dir, opts.dataset, /*train=*/false)),
       sampler_(train_.size(), dist.world_size, dist.rank, /*shuffle=*/true, opts.seed),
-      test_indices_(shard_indices(test_.size(), dist.world_size, dist.rank)) {
+      test_indices_(shard_indices(test_.size(), dist.world_size, dist.rank)),
+      kill_after_step_(kill_after_step(dist.restart, dist.rank)) {
   spdlog::info("Arguments:");
   for (const auto& [name, value] : opts.arguments) spdlog::info("{}: {}", name, value);
   spdlog::info("Runtime: {}", runtime_of(dist.device).describe());
@@ -254,6 +276,7 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
     const int64_t bytes_before = ddp_->wire().bytes;
     torch::Tensor output;
     const torch::Tensor loss = step(x, y, output);
+    if (at_.step == kill_after_step_) raise(SIGKILL);
     at_.batch = b + 1;
     ++report.steps;
     images += y.size(0) * dist_.world_size;

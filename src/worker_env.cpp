@@ -65,6 +65,9 @@ std::optional<WorkerEnv> worker_env_from_environment() {
     env.node_rank = env_int("GROUP_RANK", 0);
     env.master_addr = master_addr("127.0.0.1");
     env.master_port = env_int("MASTER_PORT", std::nullopt);
+    const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+    env.agent_store = agent && std::string(agent) == "True";
+    env.restart = env_int("TORCHELASTIC_RESTART_COUNT", 0);
   } else if (std::getenv("SLURM_PROCID") && std::getenv("SLURM_NTASKS")) {  // srun
     env.rank = env_int("SLURM_PROCID", std::nullopt);
     env.world_size = env_int("SLURM_NTASKS", std::nullopt);
@@ -87,6 +90,7 @@ std::optional<WorkerEnv> worker_env_from_environment() {
     env.master_addr = master_addr("127.0.0.1");
     env.master_port = env_int("MASTER_PORT", std::nullopt);
     env.round = env_int("MNIST_DDP_ROUND", std::nullopt);
+    env.restart = env.round;
   } else {
     return std::nullopt;
   }

@@ -24,13 +24,10 @@
 #include <unistd.h>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
-#include <torch/version.h>
-#if TORCH_VERSION_MAJOR < 2
-#include <torch/csrc/autograd/profiler_legacy.h>
-#endif
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -41,6 +38,7 @@
 #include "mnist_ddp/dist.hpp"
 #include "mnist_ddp/files.hpp"
 #include "mnist_ddp/model.hpp"
+#include "mnist_ddp/port.hpp"
 #include "mnist_ddp/sync_batch_norm.hpp"
 #include "mnist_ddp/worker.hpp"
 
@@ -59,6 +57,7 @@ bool run_processes(int world, const std::function<void(Dist&)>& fn, bool shared_
   std::vector<pid_t> pids;
   for (int rank = 0; rank < world; ++rank) {
     const pid_t pid = fork();
+    if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
     if (pid == 0) {
       int code = 0;
       try {
@@ -115,12 +114,8 @@ double ms_per_step(Dist& dist, bool sync_bn, int steps, bool communicate = true,
   dist.comm->barrier();
   const auto start = Clock::now();
   {
-#if TORCH_VERSION_MAJOR < 2
-    std::optional<torch::autograd::profiler::RecordProfile> profiled;
+    std::optional<port::RecordProfile> profiled;
     if (!trace.empty()) profiled.emplace(trace);
-#else
-    if (!trace.empty()) throw std::runtime_error("profile: this needs LibTorch 1.x's legacy profiler");
-#endif
     for (int i = 0; i < steps; ++i) step();
   }
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count() / steps;

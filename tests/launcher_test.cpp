@@ -17,6 +17,7 @@ using test::eventually;
 using test::Process;
 using test::process_exists;
 using test::read_text;
+using test::send_signal;
 using test::TempDir;
 
 // A run long enough to be interrupted: ~60 steps per epoch on 2 workers.
@@ -53,7 +54,7 @@ TEST(Launcher, CtrlCStopsEveryWorkerAndExits130) {
   Process launcher(long_run(dir), out);
   const auto workers = start_training(launcher, out);
   const auto sent = std::chrono::steady_clock::now();
-  kill(-launcher.pid(), SIGINT);  // the whole process group, as a terminal's Ctrl-C
+  send_signal(launcher.pid(), SIGINT, /*group=*/true);  // the whole process group, as a terminal's Ctrl-C
   const int status = launcher.wait(30s);
   ASSERT_NE(status, -1) << "launcher still running 30 s after SIGINT";
   // The workers leave on SIGTERM: nobody waits out the 5 s before SIGKILL.
@@ -69,7 +70,7 @@ TEST(Launcher, SigtermToTheLauncherAloneStopsTheWorkersAndExits143) {
   const std::string out = dir / "output.txt";
   Process launcher(long_run(dir), out);
   const auto workers = start_training(launcher, out);
-  kill(launcher.pid(), SIGTERM);
+  send_signal(launcher.pid(), SIGTERM);
   const int status = launcher.wait(10s);
   ASSERT_NE(status, -1);
   EXPECT_EQ(WEXITSTATUS(status), 143);
@@ -86,7 +87,7 @@ TEST(Launcher, AWorkerThatDiesStopsTheRestAndIsNamed) {
     if (rank_of(w) == 1) victim = w;
   ASSERT_GT(victim, 0);
   const auto sent = std::chrono::steady_clock::now();
-  kill(victim, SIGKILL);
+  send_signal(victim, SIGKILL);
   const int status = launcher.wait(60s);
   ASSERT_NE(status, -1) << "launcher still running 60 s after a worker died";
   // Seen at once (SIGCHLD), the survivor stopped with SIGTERM: well inside
@@ -107,7 +108,7 @@ TEST(Launcher, WorkersDieWithTheLauncher) {
   const auto workers = start_training(launcher, out);
   // Orphans would be reparented to us and reaped here, so none lingers as a zombie.
   ASSERT_EQ(prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
-  kill(launcher.pid(), SIGKILL);
+  send_signal(launcher.pid(), SIGKILL);
   launcher.wait(5s);
   EXPECT_TRUE(eventually(
       [&] {
@@ -119,6 +120,62 @@ TEST(Launcher, WorkersDieWithTheLauncher) {
       },
       10s));
   prctl(PR_SET_CHILD_SUBREAPER, 0);
+}
+
+// The signals blocked in every thread of process `pid` (SigBlk in /proc).
+std::vector<uint64_t> blocked_per_thread(pid_t pid) {
+  std::vector<uint64_t> out;
+  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+  for (const auto& tid : files::list_directory(tasks)) {
+    const std::string status = read_text(tasks + "/" + tid + "/status");
+    const size_t at = status.find("SigBlk:\t");
+    if (at != std::string::npos) out.push_back(std::stoull(status.substr(at + 8, 16), nullptr, 16));
+  }
+  return out;
+}
+
+// A launcher that resumes loads the checkpoint before it starts the
+// workers, and LibTorch may start a thread pool to do it: that thread must
+// not take the signals the launcher waits for (SIGCHLD lost there left it
+// waiting forever for workers that had exited). So every thread blocks
+// them; the resumed job ends by itself, on SIGTERM, and on Ctrl-C.
+TEST(Launcher, AResumingLauncherEndsAndStillAnswersSignals) {
+  TempDir dir;
+  const std::string out = dir / "output.txt";
+  auto args = long_run(dir);
+  {
+    auto first = args;
+    first.insert(first.end(), {"--max-steps", "4"});
+    Process launcher(first, out);
+    ASSERT_EQ(WEXITSTATUS(launcher.wait(120s)), 0) << read_text(out);
+  }
+  args.insert(args.end(), {"--resume", "auto"});
+  for (const int sig : {SIGTERM, SIGINT}) {
+    SCOPED_TRACE(strsignal(sig));
+    const std::string out = dir / ("resumed-" + std::to_string(sig) + ".txt");
+    Process launcher(args, out);
+    ASSERT_TRUE(eventually([&] { return read_text(out).find("Startup: first step") != std::string::npos; }, 60s))
+        << read_text(out);
+    const auto workers = children_of(launcher.pid());
+    EXPECT_EQ(workers.size(), 2u);
+    const auto masks = blocked_per_thread(launcher.pid());
+    ASSERT_FALSE(masks.empty());
+    for (const uint64_t mask : masks)
+      for (const int blocked : {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGCHLD})
+        EXPECT_TRUE(mask >> (blocked - 1) & 1) << "a thread of the launcher takes " << strsignal(blocked);
+    send_signal(launcher.pid(), sig, /*group=*/sig == SIGINT);
+    const int status = launcher.wait(90s);
+    ASSERT_NE(status, -1) << "the resumed launcher still runs 90 s after " << strsignal(sig);
+    EXPECT_EQ(WEXITSTATUS(status), 128 + sig) << read_text(out);
+    expect_all_gone(workers);
+  }
+  auto to_the_end = args;
+  to_the_end.insert(to_the_end.end(), {"--max-steps", "40"});
+  Process launcher(to_the_end, out);
+  const int status = launcher.wait(120s);
+  ASSERT_NE(status, -1) << "the resumed launcher still runs 120 s after it started: " << read_text(out);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << read_text(out);
+  EXPECT_NE(read_text(dir / "out/mnist_train.log").find("Stopping after --max-steps 40 steps"), std::string::npos);
 }
 
 TEST(Launcher, BadInputIsOneLineAndNoWorkerStarts) {

@@ -23,7 +23,9 @@
 #include <exception>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <mutex>
+#include <random>
 #include <stdexcept>
 #include <sstream>
 #include <string>
@@ -220,6 +222,18 @@ inline std::string read_text(const std::string& path) {
 // A run's <path>/summary.json.
 inline Json read_summary(const std::string& path) { return Json::parse(read_text(path + "/summary.json")); }
 
+// kill() for the tests: only a process (pid > 0), or with `group` the
+// process group of one (pgid > 1), that the test started. As root, a pid of
+// 0 or -1 would signal the test's own group or every process on the
+// machine: that is refused, failing the test.
+inline void send_signal(pid_t pid, int sig, bool group = false) {
+  if (pid <= (group ? 1 : 0)) {
+    ADD_FAILURE() << "refused to signal " << (group ? "process group " : "pid ") << pid;
+    return;
+  }
+  kill(group ? -pid : pid, sig);
+}
+
 // A child process running the mnist_ddp binary (or, with `command`, any
 // program found on PATH), its output going to a file.
 class Process {
@@ -229,10 +243,16 @@ class Process {
     std::vector<std::string> argv;
     if (!command) argv.push_back(MNIST_DDP_BINARY);
     argv.insert(argv.end(), args.begin(), args.end());
+    // Emptied before the fork: whatever the test reads there next is this process's.
+    const int fd = open(output_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) throw std::runtime_error(output_file + ": " + std::strerror(errno));
     pid_ = fork();
+    if (pid_ < 0) {
+      close(fd);
+      throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
+    }
     if (pid_ == 0) {
       setpgid(0, 0);  // a group of its own: the test can signal it alone
-      const int fd = open(output_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(fd, 1);
       dup2(fd, 2);
       for (const auto& kv : extra_env) putenv(const_cast<char*>(kv.c_str()));
@@ -242,10 +262,12 @@ class Process {
       execvp(cargv[0], cargv.data());
       _exit(127);
     }
+    setpgid(pid_, pid_);  // as the child does: no signal to the group can come before it exists
+    close(fd);
   }
   ~Process() {
     if (pid_ > 0 && !reaped_) {
-      kill(pid_, SIGKILL);
+      send_signal(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);
     }
   }
@@ -310,7 +332,17 @@ inline std::vector<pid_t> processes_mentioning(const std::string& piece) {
   return out;
 }
 
-inline bool process_exists(pid_t pid) { return kill(pid, 0) == 0 || errno != ESRCH; }
+inline bool process_exists(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH); }
+
+// The seed of a test's random choices: $MNIST_DDP_TEST_SEED, else a fresh
+// one. Printed, so that any failure can be replayed with that variable.
+inline unsigned test_seed() {
+  const char* given = std::getenv("MNIST_DDP_TEST_SEED");
+  const unsigned seed = given && *given ? static_cast<unsigned>(std::strtoul(given, nullptr, 10)) : std::random_device{}();
+  std::cout << "[   SEED   ] MNIST_DDP_TEST_SEED=" << seed << " replays this test's random choices" << std::endl;
+  ::testing::Test::RecordProperty("seed", std::to_string(seed));
+  return seed;
+}
 
 // A TCP port that was free a moment ago.
 inline int free_port() {

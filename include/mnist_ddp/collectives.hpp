@@ -31,21 +31,11 @@
 #include <utility>
 #include <vector>
 
-#if TORCH_VERSION_MAJOR >= 2
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#else
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#endif
+#include "mnist_ddp/port.hpp"
 
 namespace mnist_ddp {
 
-// LibTorch 1.13 calls the group type ProcessGroup, 2.x calls the per-backend
-// type Backend; `Group` names whichever this LibTorch has.
-#if TORCH_VERSION_MAJOR >= 2
-using Group = c10d::Backend;
-#else
-using Group = c10d::ProcessGroup;
-#endif
+using Group = port::Group;
 using GroupPtr = c10::intrusive_ptr<Group>;
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 

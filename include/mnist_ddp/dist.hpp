@@ -38,6 +38,7 @@ struct Dist {
   std::string backend = "gloo";         // "gloo" or "nccl"
   torch::Device device = torch::kCPU;   // where this worker's tensors live
   std::chrono::milliseconds timeout{300'000};
+  int restart = 0;  // which start of the job's workers this is (WorkerEnv::restart)
   std::string gloo_address = "127.0.0.1";  // local address Gloo listens on
   StorePtr store;
   // The one way to the other ranks: DDP, SyncBatchNorm, metrics, checks.
@@ -73,8 +74,9 @@ std::vector<uint8_t> bytes_of(const std::string& s);
 std::string text_of(const std::vector<uint8_t>& b);
 
 // Joins the job described by the environment: at its launcher's store, under
-// the key prefix of the launcher's start (env.round), or as rank 0 hosting
-// the store under torchrun and Slurm. When the
+// the key prefix of the launcher's start (env.round); at torchrun's agent's
+// store, under the prefix of torchrun's start (env.agent_store); or as
+// rank 0 hosting the store under Slurm and a torchrun without agent store. When the
 // environment leaves ranks open (our launcher's workers), the nodes agree
 // on them there: each node's local rank 0 announces its worker count, and
 // node 0's ranks come first, then node 1's, and so on. Every rank then
@@ -89,7 +91,10 @@ struct Runtime {
   std::string cuda;      // "13.0"; "" without CUDA
   std::string nccl;      // "2.28.9"; "" without CUDA
   std::string device;    // "cuda:0 (NVIDIA H100 80GB HBM3)", "cpu"
-  // "LibTorch 2.11.0, CUDA 13.0, NCCL 2.28.9, device cuda:0 (NVIDIA H100 ...)"
+  // The rendezvous store's server loop: "libuv" where LibTorch has it (2.x
+  // built with libuv), else "classic" (1.13, and Debian 13's 2.6).
+  std::string store;
+  // "LibTorch 2.11.0, CUDA 13.0, NCCL 2.28.9, device cuda:0 (NVIDIA H100 ...), libuv store"
   std::string describe() const;
 };
 Runtime runtime_of(const torch::Device& device);

@@ -1,6 +1,5 @@
 // The launcher: the parent process that starts and supervises one node's
-// workers. It never initialises CUDA or thread pools (its only threads are
-// the store's) and a forked child only execs: each worker is this binary
+// workers. It never initialises CUDA, and a forked child only execs: each worker is this binary
 // exec'ed with the environment worker_environment() builds (worker_env.hpp).
 //
 // Supervision: SIGINT/SIGTERM/SIGHUP to the launcher print the reference's
@@ -16,6 +15,8 @@
 // joins through that store before its workers start again.
 #pragma once
 
+#include <signal.h>
+
 #include <string>
 #include <vector>
 
@@ -25,10 +26,19 @@
 
 namespace mnist_ddp {
 
-// Runs the launcher on the calling thread until every worker has exited.
-// Returns the process exit code: 0 on success, the failed worker's exit code
-// (128 + signal when it was killed), 128 + signal when the launcher was
-// interrupted, 1 for its own errors.
-int run_launcher(const Options& opts, const Placement& placement, const std::vector<std::string>& argv);
+// Blocks, in the calling thread, the signals the launcher reads from its
+// signalfd (SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGCHLD), and returns the mask
+// it had. Called first thing in main(): every thread started later (the
+// OpenMP pool a checkpoint's tensors are copied on, the store's) inherits
+// the block, so none of them can take a signal and drop it.
+sigset_t block_launcher_signals();
+
+// Runs the launcher on the calling thread until every worker has exited;
+// block_launcher_signals() must have run, `original_mask` is what it returned
+// (the workers start with it). Returns the process exit code: 0 on success,
+// the failed worker's exit code (128 + signal when it was killed), 128 +
+// signal when the launcher was interrupted, 1 for its own errors.
+int run_launcher(const Options& opts, const Placement& placement, const std::vector<std::string>& argv,
+                 const sigset_t& original_mask);
 
 }  // namespace mnist_ddp

@@ -28,13 +28,21 @@ struct WorkerEnv {
   // meet under the key prefix "round/<round>", so no start reads another's
   // keys. -1: started by torchrun or Slurm, and rank 0 hosts the store.
   int round = -1;
+  // Which start of the job's workers this is: 0, then one more per restart
+  // (our launcher's round, torchrun's TORCHELASTIC_RESTART_COUNT).
+  int restart = 0;
+  // torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True):
+  // the workers join it as clients under "/worker/attempt_<restart>", the
+  // prefix PyTorch's own workers use there.
+  bool agent_store = false;
   // Set by our launcher: a failing worker writes an error_report_line() here
   // instead of printing it, so the user reads one line, not one per worker.
   int error_report_fd = -1;
 };
 
 // The worker identity when this process was started as a worker: torchrun's
-// variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK),
+// variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+// TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RESTART_COUNT),
 // Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; node 0 is the first
 // host of SLURM_JOB_NODELIST unless MASTER_ADDR says), or our launcher's,
 // which leaves RANK and WORLD_SIZE to be agreed through the store. nullopt

@@ -1,0 +1,72 @@
+// Every difference between the LibTorch versions we build against (Debian
+// 12's 1.13, Debian 13's 2.6 for the CPU and with CUDA, PyTorch 2.x's) in
+// one place, so that no other file asks which LibTorch it is built with.
+#pragma once
+
+#include <torch/version.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#else
+#include <torch/csrc/autograd/profiler_legacy.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#endif
+#if defined(MNIST_DDP_WITH_CUDA)
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace mnist_ddp::port {
+
+// LibTorch 1.13 calls the group type ProcessGroup, 2.x calls the per-backend
+// type Backend; `Group` names whichever this LibTorch has.
+#if TORCH_VERSION_MAJOR >= 2
+using Group = c10d::Backend;
+#else
+using Group = c10d::ProcessGroup;
+#endif
+
+// Shuts an NCCL group down: LibTorch 2.x warns at exit about one left open;
+// 1.13's has no shutdown (nor needs one).
+inline void shut_down_nccl(Group& group) {
+#if defined(MNIST_DDP_WITH_CUDA) && TORCH_VERSION_MAJOR >= 2
+  static_cast<c10d::ProcessGroupNCCL&>(group).shutdown();
+#endif
+}
+
+// Records every operator run while it lives and writes a Chrome trace to
+// `path` at its end (bench.cpp's CPU profile): 1.x's legacy RecordProfile,
+// which 2.x no longer has.
+#if TORCH_VERSION_MAJOR < 2
+using RecordProfile = torch::autograd::profiler::RecordProfile;
+#else
+struct RecordProfile {
+  explicit RecordProfile(const std::string&) {
+    throw std::runtime_error("profile: this needs LibTorch 1.x's legacy profiler");
+  }
+};
+#endif
+
+// TCPStoreOptions::useLibUV exists from LibTorch 2.2 on (and is true by
+// default from 2.4), but a LibTorch built without libuv (Debian 13's, CPU
+// and CUDA) refuses a store that asks for it. Detected by the field, not by
+// a version number.
+template <typename Options, typename = void>
+struct HasLibUvOption : std::false_type {};
+template <typename Options>
+struct HasLibUvOption<Options, std::void_t<decltype(std::declval<Options&>().useLibUV)>> : std::true_type {};
+
+constexpr bool kStoreMayUseLibUv = HasLibUvOption<c10d::TCPStoreOptions>::value;
+
+// Sets whether the store uses libuv, where this LibTorch has the choice.
+template <typename Options = c10d::TCPStoreOptions>
+void set_store_libuv(Options& options, bool libuv) {
+  if constexpr (HasLibUvOption<Options>::value) options.useLibUV = libuv;
+}
+
+}  // namespace mnist_ddp::port
