@@ -5,18 +5,27 @@ set -euo pipefail
 
 cd "$(dirname "$0")/.."
 source scripts/libtorch.sh
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 packages=(
   g++ cmake ninja-build pkg-config
-  libgloo-dev                     # Gloo's headers (no PyTorch install ships them)
   libcli11-dev libspdlog-dev libfmt-dev libgtest-dev zlib1g-dev
   python3 curl ca-certificates    # scripts/fetch_data.sh
   gnuplot-nox                     # scripts/plot_metrics.sh
   iproute2                        # tests: two nodes in two network namespaces
 )
-# Debian's LibTorch, unless build.sh will use another (a CUDA PyTorch's, or $MNIST_DDP_LIBTORCH).
-if [ -z "$(libtorch_prefix)" ]; then
+# Gloo's headers (no PyTorch install ships them) from the package that goes
+# with the LibTorch: Debian 13's CUDA LibTorch conflicts with libgloo-dev.
+if installed libtorch-cuda-dev; then
   packages+=(
-    libtorch-dev                  # LibTorch 1.13 (CPU) with c10d
+    libgloo-cuda-dev
+    python3-torch-cuda            # tests: Python loads the models we save
+  )
+elif [ -n "$(libtorch_prefix)" ]; then
+  packages+=(libgloo-dev)         # build.sh uses a CUDA PyTorch's or $MNIST_DDP_LIBTORCH
+else
+  packages+=(
+    libgloo-dev
+    libtorch-dev                  # Debian's LibTorch (CPU) with c10d: 1.13 on Debian 12, 2.6 on 13
     libopenblas0-openmp           # becomes LibTorch's BLAS: 2x faster steps than the reference BLAS
     python3-torch                 # tests: Python loads the models we save
   )
@@ -26,7 +35,7 @@ as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 missing=()
 for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  installed "$p" || missing+=("$p")
 done
 if [ "${#missing[@]}" -eq 0 ]; then
   echo "install_deps: all ${#packages[@]} packages are installed"

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The LibTorch 2.x legs: builds this checkout and runs its suite in a Debian 13
+# (trixie) chroot, against Debian 13's LibTorch 2.6.
+#
+#   bash scripts/debian13.sh cpu  [COMMAND...]   # libtorch-dev 2.6 (CPU, Gloo)
+#   bash scripts/debian13.sh cuda [COMMAND...]   # libtorch-cuda-dev 2.6, CUDA 12.4, NCCL 2.22 (no GPU needed)
+#
+# COMMAND (default: bash scripts/test.sh) runs as root in a copy of the
+# checkout at /root/mnist_ddp inside the chroot; its build/ is kept between
+# runs, so a second run rebuilds only what changed. The chroot lives at
+# $MNIST_DDP_CHROOT_DIR/debian13-<leg> (default /var/cache/mnist_ddp): made
+# once with debootstrap from the mirror this machine's apt uses, its packages
+# installed when missing. /proc, /dev, /dev/pts and /dev/shm are mounted for
+# the run and unmounted when it ends, however it ends.
+#
+# The cuda leg proves that the NCCL path compiles and links against a CUDA
+# LibTorch 2.x and that the CPU behaviour is right there; it runs no GPU.
+# Debian's nvidia-cudnn only downloads cuDNN from outside, so the leg stands
+# in a placeholder package for it and a libcudnn.so.9 whose functions abort:
+# LibTorch links and loads, and nothing here calls cuDNN.
+set -euo pipefail
+
+leg="${1:-}"
+case "$leg" in
+  cpu | cuda) shift ;;
+  *) echo "usage: bash scripts/debian13.sh cpu|cuda [COMMAND...]" >&2; exit 2 ;;
+esac
+[ "$(id -u)" -eq 0 ] || { echo "debian13.sh: needs root (debootstrap, chroot, mounts)" >&2; exit 2; }
+here="$(cd "$(dirname "$0")/.." && pwd)"
+root="${MNIST_DDP_CHROOT_DIR:-/var/cache/mnist_ddp}/debian13-$leg"
+[ "$#" -gt 0 ] || set -- bash scripts/test.sh
+
+say() { echo "debian13.sh [$leg]: $*"; }
+
+# The Debian mirror this machine's apt uses.
+mirror() {
+  local uri
+  uri="$(grep -hsE '^(URIs:|deb )' /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null |
+         grep -oE 'https?://[^ ]+/debian/?' | grep -v security | head -n 1)"
+  echo "${uri:-http://deb.debian.org/debian}"
+}
+
+if [ ! -x "$root/usr/bin/apt-get" ]; then
+  command -v debootstrap >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null; }
+  say "making a Debian 13 chroot in $root"
+  rm -rf "$root.partial"
+  mkdir -p "$(dirname "$root")"
+  debootstrap --variant=minbase --components=main,contrib,non-free trixie "$root.partial" "$(mirror)" >/dev/null
+  mv "$root.partial" "$root"
+fi
+
+# Mounts for the run, undone on any exit. Each one is recorded as it is made,
+# so only what this run mounted is unmounted.
+mounted=()
+cleanup() {
+  local i
+  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount -l "${mounted[i]}" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+mount_in() {  # mount_in TARGET ARGS...
+  local target="$root$1"; shift
+  mountpoint -q "$target" && return 0
+  mkdir -p "$target"
+  mount "$@" "$target"
+  mounted+=("$target")
+}
+mount_in /proc -t proc proc
+mount_in /dev --bind /dev
+mount_in /dev/pts --bind /dev/pts
+mount_in /dev/shm -t tmpfs -o mode=1777 shm
+cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
+in_root() { chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 CI="${CI:-}" "$@"; }
+
+installed() { in_root dpkg-query -W -f='${Status}\n' "$@" 2>/dev/null | grep -c "install ok installed" || true; }
+apt_install() {
+  in_root apt-get update -qq
+  in_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+if [ "$leg" = cuda ]; then
+  # The CUDA LibTorch, before scripts/install_deps.sh sees the chroot: that
+  # script then keeps it and picks the Gloo and Python packages that go with it.
+  if [ "$(installed nvidia-cudnn)" != 1 ]; then
+    say "a placeholder nvidia-cudnn package (Debian's only downloads cuDNN)"
+    pkg="$root/tmp/nvidia-cudnn"
+    rm -rf "$pkg" && mkdir -p "$pkg/DEBIAN"
+    printf '%s\n' "Package: nvidia-cudnn" "Version: 9.99~placeholder" "Architecture: amd64" \
+      "Maintainer: mnist_ddp <ci@localhost>" "Description: placeholder for the mnist_ddp CUDA build leg" >"$pkg/DEBIAN/control"
+    in_root dpkg-deb --build /tmp/nvidia-cudnn /tmp/nvidia-cudnn.deb >/dev/null
+    in_root dpkg -i /tmp/nvidia-cudnn.deb >/dev/null
+    in_root apt-mark hold nvidia-cudnn >/dev/null
+  fi
+  cuda_packages=(libtorch-cuda-dev libnccl-dev nvidia-cuda-toolkit g++ binutils)
+  if [ "$(installed "${cuda_packages[@]}")" != "${#cuda_packages[@]}" ]; then
+    say "installing ${cuda_packages[*]}"
+    apt_install "${cuda_packages[@]}"
+  fi
+  if [ ! -e "$root/usr/lib/x86_64-linux-gnu/libcudnn.so.9" ]; then
+    say "a libcudnn.so.9 whose every function aborts (LibTorch links it; nothing here calls it)"
+    lib="$(in_root sh -c 'ls /usr/lib/x86_64-linux-gnu/libtorch_cuda.so* | head -n 1')"
+    in_root sh -c "nm -D --undefined-only '$lib' | awk '\$2 ~ /^cudnn/ {sub(/@.*/, \"\", \$2); print \$2}' | sort -u" >"$root/tmp/cudnn.syms"
+    [ -s "$root/tmp/cudnn.syms" ] || { say "found no cudnn symbols in $lib"; exit 1; }
+    {
+      echo '#include <stdlib.h>'
+      while read -r s; do echo "void $s(void) { abort(); }"; done <"$root/tmp/cudnn.syms"
+    } >"$root/tmp/cudnn_stub.c"
+    printf 'libcudnn.so.9 { global: *; };\n' >"$root/tmp/cudnn.map"
+    in_root gcc -shared -fPIC -o /usr/lib/x86_64-linux-gnu/libcudnn.so.9 /tmp/cudnn_stub.c \
+      -Wl,-soname,libcudnn.so.9 -Wl,--version-script=/tmp/cudnn.map
+    in_root ln -sf libcudnn.so.9 /usr/lib/x86_64-linux-gnu/libcudnn.so
+  fi
+fi
+
+# A copy of the checkout, tracked and untracked files as git sees them, and
+# the data already fetched; build/ stays from the last run.
+dest="$root/root/mnist_ddp"
+mkdir -p "$dest"
+find "$dest" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
+(cd "$here" && { git ls-files -z --cached --others --exclude-standard; find data -type f -print0 2>/dev/null; } |
+  tar --null --no-recursion --ignore-failed-read -cf - -T -) | tar -xf - -C "$dest"
+
+say "running: $*"
+start=$(date +%s)
+in_root bash -c 'cd /root/mnist_ddp && "$@"' bash "$@"
+say "passed in $(( $(date +%s) - start )) s"
