@@ -12,6 +12,7 @@ packages=(
   python3 curl ca-certificates    # scripts/fetch_data.sh
   gnuplot-nox                     # scripts/plot_metrics.sh
   iproute2                        # tests: two nodes in two network namespaces
+  slurm-wlm munge                 # tests: a one-node Slurm cluster (tests/slurm/cluster.sh)
 )
 # Gloo's headers (no PyTorch install ships them) from the package that goes
 # with the LibTorch: Debian 13's CUDA LibTorch conflicts with libgloo-dev.

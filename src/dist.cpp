@@ -350,8 +350,15 @@ Dist connect(const WorkerEnv& env, const Placement& placement, double timeout_se
   }
 
   // ---- The store: our launcher's (node 0's), torchrun's agent's, else rank 0's. ----
-  StorePtr store =
-      open_store(env.master_addr, env.master_port, env.round < 0 && !env.agent_store && env.rank == 0, timeout);
+  const bool host = env.round < 0 && !env.agent_store && env.rank == 0;
+  StorePtr store;
+  try {
+    store = open_store(env.master_addr, env.master_port, host, timeout);
+  } catch (const std::runtime_error& e) {
+    if (!host || std::string(e.what()).find("already in use") == std::string::npos) throw;
+    throw std::runtime_error("MASTER_PORT " + std::to_string(env.master_port) + " is already in use on " +
+                             env.master_addr + ": export MASTER_PORT with a free port for this job");
+  }
   if (env.round >= 0) store = c10::make_intrusive<c10d::PrefixStore>("round/" + std::to_string(env.round), store);
   if (env.agent_store)
     store = c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(env.restart), store);

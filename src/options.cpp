@@ -198,6 +198,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
 
   for (const CLI::Option* opt : app.get_options()) {
     if (opt == app.get_help_ptr()) continue;
+    if (opt->count()) o.given.push_back(python_name(opt));
     if (opt->get_expected_min() == 0) {  // a flag
       o.arguments.emplace_back(python_name(opt), opt->count() ? "true" : "false");
       continue;

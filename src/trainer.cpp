@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "mnist_ddp/comm_hooks.hpp"
 #include "mnist_ddp/files.hpp"
@@ -61,13 +62,18 @@ std::function<void(const std::string&)> kill_point() {
   };
 }
 
-// Fault injection for tests: with MNIST_DDP_KILL_AFTER_STEP=R:K:S[,R:K:S...]
-// in its environment, the worker of rank K in the job's start R of its
-// workers (Dist::restart) kills itself with SIGKILL right after training
-// step S, so a crash test lands on a step of its choosing however fast or
-// slow the machine is. Returns that step for `restart` and `rank`, else -1.
-int64_t kill_after_step(int restart, int rank) {
-  const char* spec = std::getenv("MNIST_DDP_KILL_AFTER_STEP");
+// Fault injection for tests, each variable a list R:K:S[,R:K:S...] naming
+// step S of rank K in the job's start R of its workers (Dist::restart), so
+// that a test lands on a step of its choosing however fast or slow the
+// machine is:
+// - MNIST_DDP_KILL_AFTER_STEP: the rank kills itself with SIGKILL right
+//   after training that step;
+// - MNIST_DDP_PAUSE_AFTER_STEP: the rank waits after that step (up to 5
+//   minutes) until a preemption signal reaches it, so a preemption test
+//   signals a job that is surely mid-run.
+// Returns that step for `restart` and `rank`, else -1.
+int64_t fault_step(const char* variable, int restart, int rank) {
+  const char* spec = std::getenv(variable);
   std::istringstream entries(spec ? spec : "");
   for (std::string entry; std::getline(entries, entry, ',');) {
     int r = -1, k = -1;
@@ -75,6 +81,13 @@ int64_t kill_after_step(int restart, int rank) {
     if (std::sscanf(entry.c_str(), "%d:%d:%lld", &r, &k, &step) == 3 && r == restart && k == rank) return step;
   }
   return -1;
+}
+
+void pause_until_preempted(int64_t step) {
+  spdlog::info("Paused after step {} until a preemption signal (MNIST_DDP_PAUSE_AFTER_STEP)", step);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+  while (!preemption_signal() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
 }
 
 // Seconds since the Unix epoch.
@@ -188,7 +201,8 @@ Trainer::Trainer(const Options& opts, Dist& dist)
       test_(load_dataset(opts.data_dir, opts.dataset, /*train=*/false)),
       sampler_(train_.size(), dist.world_size, dist.rank, /*shuffle=*/true, opts.seed),
       test_indices_(shard_indices(test_.size(), dist.world_size, dist.rank)),
-      kill_after_step_(kill_after_step(dist.restart, dist.rank)) {
+      kill_after_step_(fault_step("MNIST_DDP_KILL_AFTER_STEP", dist.restart, dist.rank)),
+      pause_after_step_(fault_step("MNIST_DDP_PAUSE_AFTER_STEP", dist.restart, dist.rank)) {
   spdlog::info("Arguments:");
   for (const auto& [name, value] : opts.arguments) spdlog::info("{}: {}", name, value);
   spdlog::info("Runtime: {}", runtime_of(dist.device).describe());
@@ -277,6 +291,7 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
     torch::Tensor output;
     const torch::Tensor loss = step(x, y, output);
     if (at_.step == kill_after_step_) raise(SIGKILL);
+    if (at_.step == pause_after_step_) pause_until_preempted(at_.step);
     at_.batch = b + 1;
     ++report.steps;
     images += y.size(0) * dist_.world_size;

@@ -7,6 +7,8 @@
 
 #include <iostream>
 
+#include <spdlog/spdlog.h>
+
 #include "mnist_ddp/checkpoint.hpp"
 #include "mnist_ddp/data.hpp"
 #include "mnist_ddp/dist.hpp"
@@ -63,7 +65,9 @@ void preflight(const Options& opts) {
   }
 }
 
-int run_worker(const Options& opts, const WorkerEnv& env) {
+int run_worker(const Options& given, const WorkerEnv& env) {
+  Options opts = given;
+  const std::string overridden = apply_launcher_environment(opts, env);
   int code = 1;
   std::unique_ptr<Dist> dist;
   std::string message;
@@ -78,6 +82,7 @@ int run_worker(const Options& opts, const WorkerEnv& env) {
     dist = std::make_unique<Dist>(connect(env, placement, opts.timeout, settings));
     if (dist->rank == 0) prepare_output_dir(opts.path, /*announce=*/false);
     init_logging(opts.path, dist->rank);
+    if (!overridden.empty()) spdlog::warn("{}", overridden);
     const int preempted = Trainer(opts, *dist).run();
     return preempted ? 128 + preempted : 0;
   } catch (const UsageError& e) {

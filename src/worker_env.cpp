@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <functional>
+#include <tuple>
 #include <cstdlib>
 #include <iostream>
 #include <set>
@@ -32,6 +34,10 @@ int env_int(const char* name, std::optional<int> fallback) {
 const std::set<std::string> kLauncherVariables = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                                                   "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "MNIST_DDP_NNODES",
                                                   "MNIST_DDP_ROUND", "MNIST_DDP_ERROR_FD"};
+
+// The store's port under Slurm unless MASTER_PORT says: one of 20000-29999
+// that follows SLURM_JOB_ID (a requeued job keeps its id, and its port).
+int slurm_job_port() { return 20000 + env_int("SLURM_JOB_ID", 0) % 10000; }
 
 }  // namespace
 
@@ -81,7 +87,9 @@ std::optional<WorkerEnv> worker_env_from_environment() {
     env.master_addr = master_addr(nodes ? first_slurm_host(nodes) : "");
     if (env.master_addr.empty())
       throw UsageError("environment: Slurm gives no SLURM_JOB_NODELIST; set MASTER_ADDR to node 0's address");
-    env.master_port = env_int("MASTER_PORT", 29500);
+    // A port of the job's own, so that two jobs on one node do not meet.
+    env.master_port = env_int("MASTER_PORT", slurm_job_port());
+    env.restart = env_int("SLURM_RESTART_COUNT", 0);  // a requeued job's
   } else if (std::getenv("MNIST_DDP_NNODES")) {  // our launcher
     env.nnodes = env_int("MNIST_DDP_NNODES", std::nullopt);
     env.node_rank = env_int("GROUP_RANK", std::nullopt);
@@ -101,8 +109,36 @@ std::optional<WorkerEnv> worker_env_from_environment() {
   if (env.local_rank >= env.local_world_size)
     throw UsageError("environment: LOCAL_RANK=" + std::to_string(env.local_rank) + " is not below LOCAL_WORLD_SIZE=" +
                      std::to_string(env.local_world_size));
-  if (env.master_port == 0) throw UsageError("environment: MASTER_PORT must name the store's port");
+  if (env.master_port == 0)
+    throw UsageError("environment: MASTER_PORT=0: every rank must know the store's port, so it cannot be picked "
+                     "at random; set a fixed one, or unset it (under Slurm it then follows SLURM_JOB_ID)");
   return env;
+}
+
+std::string apply_launcher_environment(Options& opts, const WorkerEnv& env) {
+  if (env.round >= 0) return "";  // our launcher's worker: the flags are the launcher's
+  const int nnodes = env.world_size % env.local_world_size == 0 ? env.world_size / env.local_world_size : opts.nnodes;
+  const std::vector<std::tuple<std::string, std::string, std::function<void()>>> decided = {
+      {"master_addr", env.master_addr, [&] { opts.master_addr = env.master_addr; }},
+      {"master_port", std::to_string(env.master_port), [&] { opts.master_port = env.master_port; }},
+      {"nproc", std::to_string(env.local_world_size), [&] { opts.nproc = env.local_world_size; }},
+      {"nnodes", std::to_string(nnodes), [&] { opts.nnodes = nnodes; }},
+      {"node_rank", std::to_string(env.node_rank), [&] { opts.node_rank = env.node_rank; }},
+  };
+  std::string overridden;
+  for (const auto& [name, value, set] : decided) {
+    set();
+    for (auto& [arg, old] : opts.arguments) {
+      if (arg != name || old == value) continue;
+      if (std::find(opts.given.begin(), opts.given.end(), name) != opts.given.end()) {
+        std::string flag = "--" + name;
+        std::replace(flag.begin(), flag.end(), '_', '-');
+        overridden += (overridden.empty() ? "" : ", ") + flag + " " + value + " (given " + old + ")";
+      }
+      old = value;
+    }
+  }
+  return overridden.empty() ? "" : "the launcher's environment overrides the command line: " + overridden;
 }
 
 std::vector<std::string> worker_environment(const WorkerEnv& env, const std::vector<std::string>& parent, int cores) {

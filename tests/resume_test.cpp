@@ -217,8 +217,9 @@ std::string python_with_torch() {
   return "";
 }
 
-// PyTorch's own torchrun (Debian 12's python3-torch, installed by
-// scripts/install_deps.sh) starts two workers of the binary. Its agent
+// PyTorch's own torchrun (Debian's python3-torch, installed by
+// scripts/install_deps.sh: 1.13 on Debian 12, 2.6 on 13) starts two workers
+// of the binary. Its agent
 // hosts the store and says so (TORCHELASTIC_USE_AGENT_STORE): the workers
 // join it as clients under torchrun's prefix, and train as one job. Rank 1
 // dies after a random step; torchrun's --max_restarts 1 starts both again,
@@ -240,8 +241,11 @@ TEST(Torchrun, TwoWorkersTrainAsOneJobAndARestartEndsAsTheStraightRun) {
   while (kill_step % 4 == 0);
   const std::string kills = "MNIST_DDP_KILL_AFTER_STEP=0:1:" + std::to_string(kill_step);
   SCOPED_TRACE(kills);
-  // Python 3.11 needs --redirects and --tee to start torchrun 1.13 at all.
-  std::vector<std::string> args = {python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max_restarts", "1",
+  // tests/torchrun.py is torchrun, its stores classic where PyTorch lacks
+  // libuv (Debian 13's 2.6); Python 3.11 needs --redirects and --tee to
+  // start torchrun 1.13 at all.
+  std::vector<std::string> args = {python, std::string(MNIST_DDP_SOURCE_DIR) + "/tests/torchrun.py",
+                                   "--nproc_per_node", "2", "--max_restarts", "1",
                                    "--redirects", "1", "--tee", "1", "--master_port", std::to_string(test::free_port()),
                                    "--no_python", MNIST_DDP_BINARY};
   auto worker_args =

@@ -72,6 +72,7 @@ struct Options {
   // reference's argparse attributes (batch_size, log_interval, ...). Logged at
   // start and used to compare settings across processes.
   std::vector<std::pair<std::string, std::string>> arguments;
+  std::vector<std::string> given;  // the names of `arguments` given on the command line
 };
 
 // The settings every rank of a job must share, as (name, value): the

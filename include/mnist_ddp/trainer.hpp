@@ -54,7 +54,7 @@ class Trainer {
   torch::Tensor test_indices_;
   DistributedDataParallel ddp_{nullptr};
   std::unique_ptr<torch::optim::SGD> optimizer_;
-  const int64_t kill_after_step_;  // tests' fault injection (trainer.cpp); -1: none
+  const int64_t kill_after_step_, pause_after_step_;  // tests' fault injection (trainer.cpp); -1: none
   Position at_;
   StepStats stats_;
   int replica_checks_ = 0;

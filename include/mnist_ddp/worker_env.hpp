@@ -14,6 +14,8 @@
 
 namespace mnist_ddp {
 
+struct Options;
+
 struct WorkerEnv {
   int rank = -1;        // -1: agreed through the store (see dist.hpp)
   int world_size = -1;  // likewise
@@ -29,7 +31,8 @@ struct WorkerEnv {
   // keys. -1: started by torchrun or Slurm, and rank 0 hosts the store.
   int round = -1;
   // Which start of the job's workers this is: 0, then one more per restart
-  // (our launcher's round, torchrun's TORCHELASTIC_RESTART_COUNT).
+  // (our launcher's round, torchrun's TORCHELASTIC_RESTART_COUNT, Slurm's
+  // SLURM_RESTART_COUNT for a requeued job).
   int restart = 0;
   // torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True):
   // the workers join it as clients under "/worker/attempt_<restart>", the
@@ -49,6 +52,14 @@ struct WorkerEnv {
 // when it should be the launcher. Throws UsageError for a malformed
 // environment.
 std::optional<WorkerEnv> worker_env_from_environment();
+
+// For a worker started by another launcher (torchrun, Slurm: env.round <
+// 0), whose environment decides the store's address and port, the node's
+// worker count, the node count and this node's rank: puts those into
+// `opts` (fields and arguments), so that the log and summary.json report
+// what is used. Returns one line naming the flags given on the command line
+// that the environment overrode ("" when none).
+std::string apply_launcher_environment(Options& opts, const WorkerEnv& env);
 
 // The environment our launcher gives the worker `env` describes: `parent`
 // ("KEY=VALUE" entries) without any launcher's variables, then ours, which
