@@ -18,6 +18,7 @@ fi
 args=(-DCMAKE_BUILD_TYPE=Release)
 [ -n "$prefix" ] && args+=("-DCMAKE_PREFIX_PATH=$prefix")
 command -v ninja >/dev/null && [ ! -f build/Makefile ] && args+=(-G Ninja)
-cmake -S . -B build "${args[@]}" >/dev/null
+configure="$(cmake -S . -B build "${args[@]}")" || { echo "$configure"; exit 1; }
+grep '^-- mnist_ddp:' <<<"$configure" || true  # the LibTorch, and whether the CUDA/NCCL path is built
 echo "$prefix" > build/.libtorch
 cmake --build build -j "$(nproc)" "$@"

@@ -71,7 +71,7 @@ mount_in /dev/shm -t tmpfs -o mode=1777 shm
 cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
 in_root() { chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 CI="${CI:-}" "$@"; }
 
-installed() { in_root dpkg-query -W -f='${Status}\n' "$@" 2>/dev/null | grep -c "install ok installed" || true; }
+installed() { in_root dpkg-query -W -f='${Status}\n' "$@" 2>/dev/null | grep -c " ok installed" || true; }
 apt_install() {
   in_root apt-get update -qq
   in_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
@@ -90,16 +90,18 @@ if [ "$leg" = cuda ]; then
     in_root dpkg -i /tmp/nvidia-cudnn.deb >/dev/null
     in_root apt-mark hold nvidia-cudnn >/dev/null
   fi
-  cuda_packages=(libtorch-cuda-dev libnccl-dev nvidia-cuda-toolkit g++ binutils)
+  cuda_packages=(libtorch-cuda-dev python3-torch-cuda libnccl-dev nvidia-cuda-toolkit g++ binutils)
   if [ "$(installed "${cuda_packages[@]}")" != "${#cuda_packages[@]}" ]; then
     say "installing ${cuda_packages[*]}"
     apt_install "${cuda_packages[@]}"
   fi
-  if [ ! -e "$root/usr/lib/x86_64-linux-gnu/libcudnn.so.9" ]; then
+  # Made afresh each run (a second or two): every cudnn function that
+  # LibTorch's libraries and its Python module ask for.
+  in_root sh -c "nm -D --undefined-only /usr/lib/x86_64-linux-gnu/libtorch*.so* 2>/dev/null |
+    awk '\$2 ~ /^cudnn/ {sub(/@.*/, \"\", \$2); print \$2}' | sort -u" >"$root/tmp/cudnn.syms"
+  if ! cmp -s "$root/tmp/cudnn.syms" "$root/tmp/cudnn.built" || [ ! -e "$root/usr/lib/x86_64-linux-gnu/libcudnn.so.9" ]; then
     say "a libcudnn.so.9 whose every function aborts (LibTorch links it; nothing here calls it)"
-    lib="$(in_root sh -c 'ls /usr/lib/x86_64-linux-gnu/libtorch_cuda.so* | head -n 1')"
-    in_root sh -c "nm -D --undefined-only '$lib' | awk '\$2 ~ /^cudnn/ {sub(/@.*/, \"\", \$2); print \$2}' | sort -u" >"$root/tmp/cudnn.syms"
-    [ -s "$root/tmp/cudnn.syms" ] || { say "found no cudnn symbols in $lib"; exit 1; }
+    [ -s "$root/tmp/cudnn.syms" ] || { say "found no cudnn symbols in LibTorch's libraries"; exit 1; }
     {
       echo '#include <stdlib.h>'
       while read -r s; do echo "void $s(void) { abort(); }"; done <"$root/tmp/cudnn.syms"
@@ -108,6 +110,7 @@ if [ "$leg" = cuda ]; then
     in_root gcc -shared -fPIC -o /usr/lib/x86_64-linux-gnu/libcudnn.so.9 /tmp/cudnn_stub.c \
       -Wl,-soname,libcudnn.so.9 -Wl,--version-script=/tmp/cudnn.map
     in_root ln -sf libcudnn.so.9 /usr/lib/x86_64-linux-gnu/libcudnn.so
+    cp "$root/tmp/cudnn.syms" "$root/tmp/cudnn.built"
   fi
 fi
 
@@ -121,5 +124,16 @@ find "$dest" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
 
 say "running: $*"
 start=$(date +%s)
-in_root bash -c 'cd /root/mnist_ddp && "$@"' bash "$@"
+in_root bash -c 'cd /root/mnist_ddp && "$@"' bash "$@" 2>&1 | tee "$root/tmp/leg.log"
+if [ "$*" = "bash scripts/test.sh" ]; then
+  # What the leg proves beyond the suite: the project's own code compiles
+  # without a warning, and the cuda leg builds the CUDA/NCCL path.
+  if grep -E '^/root/mnist_ddp/(src|include|tests)/.*warning:' "$root/tmp/leg.log"; then
+    say "the project's code compiles with warnings against this LibTorch"
+    exit 1
+  fi
+  want="CUDA/NCCL path: OFF"
+  [ "$leg" = cuda ] && want="CUDA/NCCL path: ON"
+  grep -q "mnist_ddp: LibTorch .*, $want" "$root/tmp/leg.log" || { say "configure did not say '$want'"; exit 1; }
+fi
 say "passed in $(( $(date +%s) - start )) s"

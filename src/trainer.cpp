@@ -97,8 +97,10 @@ double unix_seconds() {
 
 // When the job was launched: by our launcher (MNIST_DDP_LAUNCH_TIME), else
 // when this worker started.
+const double g_process_start = unix_seconds();  // at static initialisation, before main()
+
 double launch_time() {
-  static const double started = unix_seconds();
+  const double started = g_process_start;
   const char* launched = std::getenv("MNIST_DDP_LAUNCH_TIME");
   return launched ? std::atof(launched) : started;
 }

@@ -4,9 +4,13 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <regex>
+#include <sstream>
 
+#include "mnist_ddp/files.hpp"
 #include "mnist_ddp/launcher.hpp"
 #include "mnist_ddp/options.hpp"
+#include "test_util.hpp"
 
 namespace mnist_ddp {
 namespace {
@@ -142,7 +146,9 @@ void with_environment(const std::map<std::string, std::string>& vars, const std:
                                           "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                                           "SLURM_LOCALID", "SLURM_TASKS_PER_NODE", "SLURM_NODEID",
                                           "SLURM_JOB_NODELIST", "SLURM_NODELIST", "MNIST_DDP_NNODES",
-                                          "MNIST_DDP_ROUND", "MNIST_DDP_ERROR_FD"};
+                                          "MNIST_DDP_ROUND", "MNIST_DDP_ERROR_FD", "SLURM_JOB_ID",
+                                          "SLURM_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
+                                          "TORCHELASTIC_RESTART_COUNT"};
   std::map<std::string, std::string> saved;
   for (const auto& n : names) {
     if (const char* v = std::getenv(n.c_str())) saved[n] = v;
@@ -165,9 +171,20 @@ TEST(WorkerEnv, EachLauncherConvention) {
                      EXPECT_EQ(env->world_size, 3);
                      EXPECT_EQ(env->node_rank, 2);
                      EXPECT_EQ(env->master_addr, "10.0.0.1");
+                     EXPECT_FALSE(env->agent_store);  // rank 0 hosts the store
+                     EXPECT_EQ(env->restart, 0);
+                   });
+  with_environment({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29400"},
+                    {"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"TORCHELASTIC_RESTART_COUNT", "3"}},
+                   [] {
+                     const auto env = worker_env_from_environment();
+                     ASSERT_TRUE(env);
+                     EXPECT_TRUE(env->agent_store);  // torchrun's agent hosts it
+                     EXPECT_EQ(env->restart, 3);
                    });
   with_environment({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
-                    {"SLURM_TASKS_PER_NODE", "4(x2)"}, {"SLURM_NODEID", "1"}, {"SLURM_JOB_NODELIST", "gpu[003-004]"}},
+                    {"SLURM_TASKS_PER_NODE", "4(x2)"}, {"SLURM_NODEID", "1"}, {"SLURM_JOB_NODELIST", "gpu[003-004]"},
+                    {"SLURM_JOB_ID", "1234567"}, {"SLURM_RESTART_COUNT", "1"}},
                    [] {
                      const auto env = worker_env_from_environment();
                      ASSERT_TRUE(env);
@@ -176,7 +193,8 @@ TEST(WorkerEnv, EachLauncherConvention) {
                      EXPECT_EQ(env->local_rank, 1);
                      EXPECT_EQ(env->local_world_size, 4);
                      EXPECT_EQ(env->master_addr, "gpu003");
-                     EXPECT_EQ(env->master_port, 29500);
+                     EXPECT_EQ(env->master_port, 24567);  // follows the job: 20000 + SLURM_JOB_ID % 10000
+                     EXPECT_EQ(env->restart, 1);          // requeued once
                    });
   with_environment({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_NODELIST", "gpu[003-004]"},
                     {"MASTER_ADDR", "head"}, {"MASTER_PORT", "4000"}},
@@ -306,6 +324,75 @@ TEST(Placement, WorkersShareAGpuOverGlooAndNcclRefusesARepeatedDevice) {
             "--gpus: device 0 does not exist (no CUDA device is visible to this build)");
   EXPECT_NE(refusal({"--backend", "nccl"}, false, 0).find("CPU-only LibTorch"), std::string::npos);
   EXPECT_NE(refusal({"--backend", "nccl"}, true, 0).find("no CUDA device is visible"), std::string::npos);
+}
+
+// Under torchrun or Slurm the environment decides the placement flags; the
+// arguments then report what is used, and the flags given otherwise are named.
+TEST(WorkerEnv, TheLaunchersEnvironmentOverridesPlacementFlagsAndSaysWhich) {
+  Options opts = parse({"--master-port", "1234", "--nproc", "4", "--epochs", "3"});
+  WorkerEnv env;
+  env.rank = 3;
+  env.world_size = 4;
+  env.local_rank = 1;
+  env.local_world_size = 2;
+  env.node_rank = 1;
+  env.master_addr = "10.0.0.1";
+  env.master_port = 24567;
+  EXPECT_EQ(apply_launcher_environment(opts, env),
+            "the launcher's environment overrides the command line: --master-port 24567 (given 1234), --nproc 2 "
+            "(given 4)");
+  const std::map<std::string, std::string> args(opts.arguments.begin(), opts.arguments.end());
+  EXPECT_EQ(args.at("master_addr"), "10.0.0.1");
+  EXPECT_EQ(args.at("master_port"), "24567");
+  EXPECT_EQ(args.at("nproc"), "2");
+  EXPECT_EQ(args.at("nnodes"), "2");
+  EXPECT_EQ(args.at("node_rank"), "1");
+  EXPECT_EQ(args.at("epochs"), "3");
+  EXPECT_EQ(opts.nnodes, 2);
+  EXPECT_EQ(opts.master_port, 24567);
+  env.round = 0;  // our launcher's worker: its flags are the launcher's, untouched
+  Options ours = parse({"--nproc", "4"});
+  EXPECT_EQ(apply_launcher_environment(ours, env), "");
+  EXPECT_EQ(ours.nproc, 4);
+}
+
+// Every flag the README and docs/ show for mnist_ddp (its flags table, and
+// what follows the binary or its wrappers on a command line) is one that
+// `mnist_ddp --help` lists.
+TEST(Docs, EveryDocumentedFlagExists) {
+  FILE* pipe = popen((std::string(MNIST_DDP_BINARY) + " --help").c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string help;
+  char buf[4096];
+  for (size_t got; (got = fread(buf, 1, sizeof buf, pipe)) > 0;) help.append(buf, got);
+  ASSERT_EQ(pclose(pipe), 0);
+  const std::regex flag(R"(--[a-z][a-z0-9_-]*)");
+  auto listed = [&](const std::string& f) { return std::regex_search(help, std::regex(f + R"((?![a-z0-9_-]))")); };
+  std::vector<std::string> pages = {"README.md"};
+  for (const auto& name : files::list_directory(std::string(MNIST_DDP_SOURCE_DIR) + "/docs"))
+    if (name.size() > 3 && name.substr(name.size() - 3) == ".md") pages.push_back("docs/" + name);
+  int checked = 0;
+  for (const auto& page : pages) {
+    std::istringstream lines(test::read_text(std::string(MNIST_DDP_SOURCE_DIR) + "/" + page));
+    int number = 0;
+    for (std::string line; std::getline(lines, line);) {
+      ++number;
+      std::string part;
+      if (line.rfind("| `--", 0) == 0) {  // a row of the flags table
+        part = line.substr(0, line.find('|', 1));
+      } else {
+        for (const std::string program : {"mnist_ddp ", "run_mnist_ddp.sh ", "slurm_mnist_ddp.sbatch "})
+          if (const size_t at = line.find(program); at != std::string::npos && part.empty())
+            part = line.substr(at + program.size());
+        part = part.substr(0, part.find_first_of("#|`"));
+      }
+      for (auto it = std::sregex_iterator(part.begin(), part.end(), flag); it != std::sregex_iterator(); ++it) {
+        ++checked;
+        EXPECT_TRUE(listed(it->str())) << page << ":" << number << ": " << it->str() << " is not in mnist_ddp --help";
+      }
+    }
+  }
+  EXPECT_GT(checked, 40) << "the flags table is gone from README.md";
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
 //
 // A Dist of world size 1 behaves like any other, so training code never asks
 // whether it is distributed. The c10d TCPStore is hosted by node 0's
-// launcher (ours), or by rank 0 under torchrun and Slurm; the rank's one
+// launcher (ours), by torchrun's agent when it says so, else by rank 0
+// (Slurm, a torchrun without agent store); the rank's one
 // process group is c10d::ProcessGroupGloo (CPU, or CUDA tensors when ranks
 // share a GPU) or c10d::ProcessGroupNCCL (CUDA, when LibTorch has it), and
 // every collective on it goes through one ordered stream (collectives.hpp).

@@ -2,9 +2,10 @@
 // workers. It never initialises CUDA, and a forked child only execs: each worker is this binary
 // exec'ed with the environment worker_environment() builds (worker_env.hpp).
 //
-// Supervision: SIGINT/SIGTERM/SIGHUP to the launcher print the reference's
+// Supervision: SIGINT/SIGHUP to the launcher print the reference's
 // "KeyboardInterrupt received. Terminating processes..." and stop every
-// worker (SIGTERM, then SIGKILL after a grace period); a worker that fails
+// worker (SIGTERM, then SIGKILL after a grace period); SIGTERM/SIGUSR1
+// (preemption) are passed on, and the workers get 60 s to checkpoint; a worker that fails
 // stops the others, and the launcher prints the one line that says why
 // (the worker's own report, preferring a cause over an echo of it); workers
 // get SIGKILL when the launcher dies (PR_SET_PDEATHSIG). Every worker is

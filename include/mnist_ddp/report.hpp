@@ -2,7 +2,7 @@
 // calling thread, none of it blocking on other ranks:
 //   <path>/metrics.csv   a row per logged training step and per test pass,
 //                        flushed as it is written, for plots;
-//   <path>/summary.json  the run as data (README, "summary.json"), rewritten
+//   <path>/summary.json  the run as data (docs/summary-json.md), rewritten
 //                        atomically after every epoch and at the end, for
 //                        scripts and tests: numbers at full precision, never
 //                        read back from the log;

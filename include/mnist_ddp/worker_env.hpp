@@ -28,7 +28,8 @@ struct WorkerEnv {
   // Set by our launcher, which hosts the store on node 0 and counts its
   // starts of the workers from 0 (a restart is a new round): the workers
   // meet under the key prefix "round/<round>", so no start reads another's
-  // keys. -1: started by torchrun or Slurm, and rank 0 hosts the store.
+  // keys. -1: started by torchrun or Slurm (rank 0, or torchrun's agent,
+  // hosts the store).
   int round = -1;
   // Which start of the job's workers this is: 0, then one more per restart
   // (our launcher's round, torchrun's TORCHELASTIC_RESTART_COUNT, Slurm's

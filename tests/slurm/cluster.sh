@@ -76,6 +76,9 @@ PreemptMode=REQUEUE
 PartitionName=test Nodes=$node Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60
 PartitionName=urgent Nodes=$node MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 CONF
+# Slurm 23 and later start a cgroup plugin in slurmd unless told not to.
+major="$(slurmd -V | sed -E 's/^[^0-9]*([0-9]+).*/\1/')"
+[ "$major" -ge 23 ] && echo "CgroupPlugin=disabled" >"$dir/cgroup.conf"
 export SLURM_CONF="$dir/slurm.conf"
 
 runuser -u munge -- munged --foreground --socket="$dir/munge/munge.socket" --pid-file="$dir/munge/munged.pid" \
