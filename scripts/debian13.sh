@@ -68,7 +68,7 @@ mount_in /proc -t proc proc
 mount_in /dev --bind /dev
 mount_in /dev/pts --bind /dev/pts
 mount_in /dev/shm -t tmpfs -o mode=1777 shm
-cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
+cp /etc/resolv.conf /etc/hosts "$root/etc/" 2>/dev/null || true  # this machine's names resolve alike there
 in_root() { chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 CI="${CI:-}" "$@"; }
 
 installed() { in_root dpkg-query -W -f='${Status}\n' "$@" 2>/dev/null | grep -c " ok installed" || true; }

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <random>
 #include <regex>
+#include <set>
 
 #include "mnist_ddp/checkpoint.hpp"
 #include "test_util.hpp"
@@ -55,6 +56,10 @@ class Slurm : public ::testing::Test {
   std::string slurm(const std::string& command, int* status = nullptr) {
     return shell("export SLURM_CONF='" + conf_ + "'; " + command + " 2>&1", status);
   }
+  // The daemons' last words, for a failure's message.
+  std::string daemon_logs() {
+    return shell("tail -n 15 '" + (dir_ / "slurmctld.log") + "' '" + (dir_ / "slurmd.log") + "'");
+  }
   std::string job_field(const std::string& job, const std::string& key) {
     return field(slurm("scontrol -o show job " + job), key);
   }
@@ -103,25 +108,45 @@ TEST_F(Slurm, APreemptedJobRequeuesResumesAndEndsAsTheStraightRun) {
   job = job.substr(0, job.find_first_of(";\n"));
   const std::string output = dir_ / ("job-" + job + ".out");
 
+  // A requeued job is held for Slurm's requeue delay (2 minutes): skipped
+  // while the test waits, 2 s after the requeue (slurmd refuses to launch
+  // a job in the second its previous run was killed: "Job credential
+  // revoked", 1 time in 5 when started at once). Slurm 24 also requeues a
+  // preempted job itself, besides the script: a preemption may count two
+  // restarts there.
+  std::string seen_restarts = "0";
+  auto requeued_at = std::chrono::steady_clock::now();
+  auto unless_held = [&](const std::function<bool()>& done) {
+    return [&, done] {
+      const std::string text = slurm("scontrol -o show job " + job);
+      if (field(text, "Restarts") != seen_restarts) {
+        seen_restarts = field(text, "Restarts");
+        requeued_at = std::chrono::steady_clock::now();
+      }
+      if (field(text, "Reason") == "BeginTime" && std::chrono::steady_clock::now() - requeued_at > 2s)
+        slurm("scontrol update jobid=" + job + " StartTime=now");
+      return done();
+    };
+  };
   for (const std::string signal : {"TERM", "USR1"}) {
     SCOPED_TRACE("SIG" + signal);
-    const int restart = signal == "TERM" ? 0 : 1;
-    ASSERT_TRUE(eventually([&] { return test::count_lines_with(read_text(path + "/mnist_train.log"), "Paused after step") > restart; }, 120s))
-        << read_text(output) << slurm("scontrol -o show job " + job);
+    const int paused = signal == "TERM" ? 0 : 1;
+    ASSERT_TRUE(eventually(unless_held([&] {
+      return test::count_lines_with(read_text(path + "/mnist_train.log"), "Paused after step") > paused;
+    }), 120s)) << read_text(output) << slurm("scontrol -o show job " + job);
+    const int restarts = std::stoi("0" + job_field(job, "Restarts"));
     if (signal == "TERM")  // a job of a higher partition preempts it: SIGTERM to its tasks, then a requeue
       slurm("sbatch --partition=urgent --ntasks=2 --cpus-per-task=1 --output=/dev/null --wrap=true");
     else  // to the batch shell and every task, as scancel --full and --signal=B:USR1 send it
       slurm("scancel --full --signal=USR1 " + job);
-    // Requeued: back in the queue, held for Slurm's requeue delay; skip it.
-    ASSERT_TRUE(eventually([&] { return job_field(job, "Restarts") == std::to_string(restart + 1); }, 120s))
+    ASSERT_TRUE(eventually([&] { return std::stoi("0" + job_field(job, "Restarts")) > restarts; }, 120s))
         << read_text(output) << slurm("scontrol -o show job " + job);
-    ASSERT_TRUE(eventually([&] {
-      slurm("scontrol update jobid=" + job + " StartTime=now");
-      return job_field(job, "JobState") == "RUNNING";
-    }, 60s)) << slurm("scontrol -o show job " + job);
   }
-  ASSERT_TRUE(eventually([&] { return job_field(job, "JobState") == "COMPLETED"; }, 240s))
+  const std::set<std::string> ended = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"};
+  ASSERT_TRUE(eventually(unless_held([&] { return ended.count(job_field(job, "JobState")) > 0; }), 240s))
       << read_text(output) << slurm("scontrol -o show job " + job);
+  ASSERT_EQ(job_field(job, "JobState"), "COMPLETED") << read_text(output) << slurm("scontrol -o show job " + job)
+                                                     << daemon_logs();
 
   const std::string console = read_text(output), log = read_text(path + "/mnist_train.log");
   EXPECT_NE(console.find("preempted (exit 143); requeueing job " + job), std::string::npos) << console;
@@ -130,7 +155,7 @@ TEST_F(Slurm, APreemptedJobRequeuesResumesAndEndsAsTheStraightRun) {
   EXPECT_NE(log.find("Preempted by SIGUSR1: every rank stopped after step"), std::string::npos) << log;
   const Json summary = test::read_summary(path);
   EXPECT_EQ(summary.at("world").at("ranks").number(), 2);
-  EXPECT_EQ(summary.at("world").at("restart").number(), 2);
+  EXPECT_GE(summary.at("world").at("restart").number(), 2);  // SLURM_RESTART_COUNT
   // The port follows the job, and what the environment decided is what is reported.
   const std::string port = std::to_string(20000 + std::stoi(job) % 10000);
   EXPECT_EQ(summary.at("arguments").at("master_port").string(), port);
