@@ -55,15 +55,16 @@ out, runs = sys.argv[1], int(sys.argv[2])
 tests = {}
 for path in sorted(glob.glob(out + "/run*.xml")):
     for case in ET.parse(path).getroot().iter("testcase"):
-        t = tests.setdefault(case.get("name"), {"passed": 0, "runs": 0, "slowest": 0.0})
+        t = tests.setdefault(case.get("name"), {"passed": 0, "skipped": 0, "runs": 0, "slowest": 0.0})
         t["runs"] += 1
-        status = case.get("status", "run")
-        t["passed"] += status != "fail" and case.find("failure") is None
+        skipped = case.get("status") == "notrun" or case.find("skipped") is not None
+        t["skipped"] += skipped
+        t["passed"] += not skipped and case.get("status") != "fail" and case.find("failure") is None
         t["slowest"] = max(t["slowest"], float(case.get("time", 0)))
 width = max(len(n) for n in tests) if tests else 4
-print(f"{'test':<{width}}  passed  slowest s")
-for name, t in sorted(tests.items(), key=lambda kv: (kv[1]["passed"] == kv[1]["runs"], -kv[1]["slowest"])):
-    print(f"{name:<{width}}  {t['passed']:>2}/{t['runs']:<3}  {t['slowest']:9.1f}")
+print(f"{'test':<{width}}  passed  skipped  slowest s")
+for name, t in sorted(tests.items(), key=lambda kv: (kv[1]["passed"] + kv[1]["skipped"] == kv[1]["runs"], -kv[1]["slowest"])):
+    print(f"{name:<{width}}  {t['passed']:>2}/{t['runs']:<3}  {t['skipped']:>7}  {t['slowest']:9.1f}")
 EOF
 echo "soak_tests.sh: $((runs - failed_runs)) of $runs runs passed"
 [ "$failed_runs" -eq 0 ]
