@@ -360,12 +360,9 @@ TEST(WorkerEnv, TheLaunchersEnvironmentOverridesPlacementFlagsAndSaysWhich) {
 // what follows the binary or its wrappers on a command line) is one that
 // `mnist_ddp --help` lists.
 TEST(Docs, EveryDocumentedFlagExists) {
-  FILE* pipe = popen((std::string(MNIST_DDP_BINARY) + " --help").c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  std::string help;
-  char buf[4096];
-  for (size_t got; (got = fread(buf, 1, sizeof buf, pipe)) > 0;) help.append(buf, got);
-  ASSERT_EQ(pclose(pipe), 0);
+  int status = -1;
+  const std::string help = test::shell(std::string(MNIST_DDP_BINARY) + " --help", &status);
+  ASSERT_EQ(status, 0) << help;
   const std::regex flag(R"(--[a-z][a-z0-9_-]*)");
   auto listed = [&](const std::string& f) { return std::regex_search(help, std::regex(f + R"((?![a-z0-9_-]))")); };
   std::vector<std::string> pages = {"README.md"};

@@ -20,18 +20,7 @@ using test::Process;
 using test::read_text;
 using test::TempDir;
 
-// What a shell command printed on stdout; its exit status in *status.
-std::string shell(const std::string& command, int* status = nullptr) {
-  std::string out;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (!pipe) return out;
-  char buf[4096];
-  size_t got;
-  while ((got = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, got);
-  const int code = pclose(pipe);
-  if (status) *status = WIFEXITED(code) ? WEXITSTATUS(code) : -1;
-  return out;
-}
+using test::shell;
 
 std::string field(const std::string& text, const std::string& key) {
   std::smatch m;

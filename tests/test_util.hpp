@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -291,6 +292,22 @@ class Process {
   pid_t pid_ = -1;
   bool reaped_ = false;
 };
+
+// What a shell command printed on stdout; its exit status in *status (-1
+// when it did not exit normally).
+inline std::string shell(const std::string& command, int* status = nullptr) {
+  std::string out;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (!pipe) {
+    if (status) *status = -1;
+    return out;
+  }
+  char buf[4096];
+  for (size_t got; (got = fread(buf, 1, sizeof buf, pipe)) > 0;) out.append(buf, got);
+  const int code = pclose(pipe);
+  if (status) *status = WIFEXITED(code) ? WEXITSTATUS(code) : -1;
+  return out;
+}
 
 // The direct children of `pid`.
 inline std::vector<pid_t> children_of(pid_t pid) {
