@@ -10,8 +10,10 @@
 # runs, so a second run rebuilds only what changed. The chroot lives at
 # $MNIST_DDP_CHROOT_DIR/debian13-<leg> (default /var/cache/mnist_ddp): made
 # once with debootstrap from the mirror this machine's apt uses, its packages
-# installed when missing. /proc, /dev, /dev/pts and /dev/shm are mounted for
-# the run and unmounted when it ends, however it ends.
+# installed when missing. The chroot itself (bound onto itself, so that its /
+# is a mount point, as `ip netns exec` needs), /proc, /dev, /dev/pts and
+# /dev/shm are mounted for the run and unmounted when it ends, however it
+# ends, with whatever the tests mounted inside (a network namespace's).
 #
 # The cuda leg proves that the NCCL path compiles and links against a CUDA
 # LibTorch 2.x and that the CPU behaviour is right there; it runs no GPU.
@@ -64,6 +66,7 @@ mount_in() {  # mount_in TARGET ARGS...
   mount "$@" "$target"
   mounted+=("$target")
 }
+mount_in "" --bind "$root"
 mount_in /proc -t proc proc
 mount_in /dev --bind /dev
 mount_in /dev/pts --bind /dev/pts
