@@ -429,7 +429,7 @@ std::vector<CodeBlock> code_blocks(const std::string& page) {
       continue;
     }
     if (!line.empty()) last_nonblank = line;
-    if (in_block) {
+    if (in_block && !line.empty()) {
       auto& commands = blocks.back().commands;
       const bool continued = !commands.empty() && !commands.back().empty() && commands.back().back() == '\\';
       if (continued) {
