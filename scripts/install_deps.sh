@@ -8,7 +8,7 @@ source scripts/libtorch.sh
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 packages=(
   g++ cmake ninja-build pkg-config
-  libcli11-dev libspdlog-dev libfmt-dev libgtest-dev zlib1g-dev
+  libcli11-dev libspdlog-dev libfmt-dev libgtest-dev zlib1g-dev nlohmann-json3-dev
   python3 curl ca-certificates    # scripts/fetch_data.sh
   gnuplot-nox                     # scripts/plot_metrics.sh
   iproute2                        # tests: two nodes in two network namespaces

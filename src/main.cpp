@@ -2,36 +2,35 @@
 #include <signal.h>
 #include <sys/stat.h>
 
-#include <chrono>
-#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
 
-#include "mnist_ddp/launcher.hpp"
-#include "mnist_ddp/logging.hpp"
-#include "mnist_ddp/options.hpp"
+#include "mnist_ddp/base/environment.hpp"
+#include "mnist_ddp/base/logging.hpp"
+#include "mnist_ddp/base/options.hpp"
+#include "mnist_ddp/base/placement.hpp"
+#include "mnist_ddp/launch/launcher.hpp"
+#include "mnist_ddp/launch/supervisor.hpp"
 #include "mnist_ddp/worker.hpp"
 
 int main(int argc, char** argv) {
   using namespace mnist_ddp;
-  const auto launched = std::chrono::system_clock::now().time_since_epoch();
-  // Before any thread exists (launcher.hpp): a worker gets its mask back below.
+  // Before any thread exists (supervisor.hpp): a worker gets its mask back below.
   const sigset_t original_mask = block_launcher_signals();
-  quiet_libtorch_logs();
+  const Environment env = read_environment();
+  quiet_libtorch_logs(env.libtorch_log_level);
   umask(umask(0) | S_IWOTH);  // nothing we create is world-writable, whatever the caller's umask
   try {
-    const std::optional<Options> opts = parse_options(argc, argv);
+    const std::optional<Options> opts = parse_options(argc, argv, env);
     if (!opts) return 0;  // --help
-    if (const auto env = worker_env_from_environment()) {
+    if (const std::optional<WorkerEnv> worker = launched_worker(env)) {
       sigprocmask(SIG_SETMASK, &original_mask, nullptr);
-      return run_worker(*opts, *env);
+      return run_worker(*opts, env, *worker);
     }
-    const Placement placement = plan_placement(*opts);
+    const Placement placement = plan_placement(*opts, count_visible_gpus(env.cuda_visible_devices));
     preflight(*opts);
-    // The workers time their start-up from here.
-    setenv("MNIST_DDP_LAUNCH_TIME", std::to_string(std::chrono::duration<double>(launched).count()).c_str(), 1);
-    return run_launcher(*opts, placement, std::vector<std::string>(argv, argv + argc), original_mask);
+    return run_launcher(*opts, placement, env, std::vector<std::string>(argv, argv + argc), original_mask);
   } catch (const UsageError& e) {
     std::cerr << "mnist_ddp: error: " << e.what() << std::endl;
     return 2;

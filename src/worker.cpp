@@ -4,47 +4,49 @@
 #include <unistd.h>
 
 #include <gloo/common/error.h>
-
-#include <iostream>
-
 #include <spdlog/spdlog.h>
 
-#include "mnist_ddp/checkpoint.hpp"
-#include "mnist_ddp/data.hpp"
-#include "mnist_ddp/dist.hpp"
-#include "mnist_ddp/files.hpp"
-#include "mnist_ddp/logging.hpp"
-#include "mnist_ddp/model.hpp"
-#include "mnist_ddp/resume.hpp"
-#include "mnist_ddp/trainer.hpp"
+#include <iostream>
+#include <memory>
+
+#include "mnist_ddp/base/error_report.hpp"
+#include "mnist_ddp/base/files.hpp"
+#include "mnist_ddp/base/logging.hpp"
+#include "mnist_ddp/base/placement.hpp"
+#include "mnist_ddp/comm/rendezvous.hpp"
+#include "mnist_ddp/comm/runtime.hpp"
+#include "mnist_ddp/train/model.hpp"
+#include "mnist_ddp/train/trainer.hpp"
 
 namespace mnist_ddp {
 namespace {
 
-void prepare_output_dir(const std::string& path, bool announce) {
-  const bool existed = files::is_directory(path);
-  if (!existed) {
-    try {
-      files::make_directories(path);
-    } catch (const std::exception& e) {
-      throw std::runtime_error("--path " + path + ": " + e.what());
-    }
-  }
-  if (access(path.c_str(), W_OK | X_OK) != 0)
-    throw std::runtime_error("--path " + path + ": the directory is not writable");
-  if (announce) std::cout << "The folder '" << path << "' " << (existed ? "already exists." : "was created.") << std::endl;
+// What the worker knows of its run besides the options: the arguments as
+// the launcher's environment leaves them in effect, and the environment's
+// launch time and fault injection.
+RunContext run_context(const Options& opts, const Environment& env, const WorkerEnv& worker) {
+  RunContext run;
+  const Arguments decided = launcher_decisions(worker);
+  run.arguments = arguments_in_effect(opts, decided);
+  run.nnodes = worker.ours() ? worker.nnodes : opts.nnodes;
+  for (const auto& [name, value] : decided)
+    if (name == "nnodes") run.nnodes = std::stoi(value);
+  run.launch_time = env.launch_time;
+  run.faults = env.faults;
+  return run;
 }
 
-// An exception's first line, without LibTorch's backtrace.
-std::string error_line(const std::exception& e) {
-  std::string msg = e.what();
-  if (const auto* c10e = dynamic_cast<const c10::Error*>(&e)) msg = c10e->what_without_backtrace();
-  return msg.substr(0, msg.find('\n'));
+// Where this worker trains: as our launcher planned it, or, started by
+// another launcher, as planned here for its local rank.
+std::pair<std::string, int> backend_and_device(const Options& opts, const Environment& env, const WorkerEnv& worker) {
+  if (worker.ours()) return {worker.backend, worker.device};
+  const Placement placement = plan_placement(opts, count_visible_gpus(env.cuda_visible_devices));
+  return {placement.backend, device_of_local_rank(placement, worker.local_rank)};
 }
 
 }  // namespace
 
-void configure_worker_process(int local_workers) {
+void configure_worker_process(int threads) {
   // A step allocates and frees activations of several MB. By default glibc
   // maps each one afresh and unmaps it on free, so every step page-faults
   // them in again; those faults serialise on the process's memory map while
@@ -52,38 +54,30 @@ void configure_worker_process(int local_workers) {
   // on 2 CPU workers (182 -> 81 ms per step measured). Keep freed memory.
   mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024);
   mallopt(M_TRIM_THRESHOLD, 1024 * 1024 * 1024);
-  at::set_num_threads(threads_per_worker(local_workers));
+  at::set_num_threads(threads);
   at::set_num_interop_threads(1);
 }
 
-void preflight(const Options& opts) {
-  check_dataset_files(opts.data_dir, opts.dataset);
-  prepare_output_dir(opts.path, /*announce=*/true);
-  if (const std::string dir = resume_dir(opts); !dir.empty()) {
-    Net net;
-    load_state_dict(*net, load_checkpoint(dir).model, "module.", "checkpoint " + dir);
-  }
-}
-
-int run_worker(const Options& given, const WorkerEnv& env) {
-  Options opts = given;
-  const std::string overridden = apply_launcher_environment(opts, env);
+int run_worker(const Options& opts, const Environment& env, const WorkerEnv& worker) {
+  const RunContext run = run_context(opts, env, worker);
   int code = 1;
-  std::unique_ptr<Dist> dist;
+  std::unique_ptr<Job> job;
   std::string message;
   bool echo = false;  // the error only follows from another process's failure
   try {
-    const Placement placement = plan_placement(opts);
-    configure_worker_process(env.local_world_size);
-    Settings settings = shared_settings(opts);
+    const auto [backend, device] = backend_and_device(opts, env, worker);
+    configure_worker_process(threads_per_worker(worker.local_world_size, env.omp_num_threads));
+    Arguments settings = shared_settings(run.arguments);
     int64_t parameters = 0;
     for (const auto& p : Net()->parameters()) parameters += p.numel();
     settings.emplace_back("model", "Net with " + std::to_string(parameters) + " parameters");
-    dist = std::make_unique<Dist>(connect(env, placement, opts.timeout, settings));
-    if (dist->rank == 0) prepare_output_dir(opts.path, /*announce=*/false);
-    init_logging(opts.path, dist->rank);
-    if (!overridden.empty()) spdlog::warn("{}", overridden);
-    const int preempted = Trainer(opts, *dist).run();
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(opts.timeout * 1000));
+    job = std::make_unique<Job>(join_job(worker, backend, cuda_device_or_cpu(device), timeout, settings));
+    if (job->rank == 0) files::make_run_directory(opts.path);
+    init_logging(opts.path, job->rank, env.dumb_terminal);
+    if (const std::string overridden = overridden_flags(opts, launcher_decisions(worker)); !overridden.empty())
+      spdlog::warn("{}", overridden);
+    const int preempted = Trainer(opts, run, *job).run();
     return preempted ? 128 + preempted : 0;
   } catch (const UsageError& e) {
     message = e.what();
@@ -98,8 +92,8 @@ int run_worker(const Options& given, const WorkerEnv& env) {
     // (or scheduler) already knows why; the peers' heartbeats take seconds.
     const bool collective = dynamic_cast<const c10::Error*>(&e) || dynamic_cast<const gloo::Exception*>(&e);
     echo = collective && preemption_signal() != 0;
-    if (collective && !echo && dist && dist->world_size > 1) {
-      const std::vector<int> silent = dist->silent_ranks();
+    if (collective && !echo && job && job->world_size > 1) {
+      const std::vector<int> silent = job->silent_ranks();
       std::string who;
       for (int r : silent) who += (who.empty() ? "" : ", ") + std::to_string(r);
       echo = !silent.empty();
@@ -110,7 +104,11 @@ int run_worker(const Options& given, const WorkerEnv& env) {
   }
   show_progress("");
   log_error_to_file(message);
-  report_worker_error(env, dist ? dist->rank : env.rank, message, echo);
+  const int rank = job ? job->rank : worker.rank;
+  const std::string who = rank >= 0 ? "rank " + std::to_string(rank)
+                                    : "node " + std::to_string(worker.node_rank) + " local rank " +
+                                          std::to_string(worker.local_rank);
+  report_worker_error(worker.error_report_fd, {worker.local_rank, echo, who + ": " + message});
   // Leave without destructors: a process group or the collective thread
   // could wait for peers that are gone.
   std::cout.flush();

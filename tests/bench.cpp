@@ -33,13 +33,15 @@
 #include <string>
 #include <thread>
 
-#include "mnist_ddp/comm_hooks.hpp"
-#include "mnist_ddp/ddp.hpp"
-#include "mnist_ddp/dist.hpp"
-#include "mnist_ddp/files.hpp"
-#include "mnist_ddp/model.hpp"
-#include "mnist_ddp/port.hpp"
-#include "mnist_ddp/sync_batch_norm.hpp"
+#include "mnist_ddp/train/comm_hooks.hpp"
+#include "mnist_ddp/train/ddp.hpp"
+#include "mnist_ddp/comm/rendezvous.hpp"
+#include "mnist_ddp/base/files.hpp"
+#include "mnist_ddp/train/model.hpp"
+#include "mnist_ddp/base/port.hpp"
+#include "mnist_ddp/train/sync_batch_norm.hpp"
+#include "mnist_ddp/base/environment.hpp"
+#include "mnist_ddp/base/placement.hpp"
 #include "mnist_ddp/worker.hpp"
 
 namespace mnist_ddp {
@@ -47,11 +49,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Runs fn(dist) in `world` forked processes (forked before LibTorch starts
+// Runs fn(job) in `world` forked processes (forked before LibTorch starts
 // any thread), set up as training workers on one host are (by default, sums
 // through shared memory), over a FileStore. Returns false if any process
 // failed.
-bool run_processes(int world, const std::function<void(Dist&)>& fn, bool shared_memory = true) {
+bool run_processes(int world, const std::function<void(Job&)>& fn, bool shared_memory = true) {
   char templ[] = "/tmp/mnist_ddp_bench_XXXXXX";
   const std::string dir = mkdtemp(templ);
   std::vector<pid_t> pids;
@@ -61,11 +63,11 @@ bool run_processes(int world, const std::function<void(Dist&)>& fn, bool shared_
     if (pid == 0) {
       int code = 0;
       try {
-        configure_worker_process(world);
+        configure_worker_process(threads_per_worker(world, read_environment().omp_num_threads));
         auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
-        Dist dist = make_dist(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(120), shared_memory);
-        fn(dist);
-        dist.comm->barrier();
+        Job job = make_job(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(120), shared_memory);
+        fn(job);
+        job.stream->barrier();
       } catch (const std::exception& e) {
         std::cerr << "rank " << rank << ": " << e.what() << std::endl;
         code = 1;
@@ -95,13 +97,13 @@ class LocalHook : public CommHook {
 // Milliseconds per training step of Net under DDP, batch 32. With `trace`,
 // the timed steps run under LibTorch's profiler, which writes a Chrome trace
 // there (LibTorch 1.x).
-double ms_per_step(Dist& dist, bool sync_bn, int steps, bool communicate = true, const std::string& trace = "") {
+double ms_per_step(Job& job, bool sync_bn, int steps, bool communicate = true, const std::string& trace = "") {
   torch::manual_seed(0);
   Net net;
-  if (sync_bn) convert_sync_batchnorm(*net, dist.comm);
+  if (sync_bn) convert_sync_batchnorm(*net, job.stream);
   std::unique_ptr<CommHook> hook;
   if (communicate) hook = std::make_unique<AllreduceHook>(); else hook = std::make_unique<LocalHook>();
-  DistributedDataParallel ddp(torch::nn::AnyModule(net), dist, std::move(hook), 25);
+  DistributedDataParallel ddp(torch::nn::AnyModule(net), job, std::move(hook), 25);
   torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   const auto x = torch::randn({32, 1, 28, 28});
   const auto y = torch::randint(0, 10, {32}, torch::kInt64);
@@ -111,7 +113,7 @@ double ms_per_step(Dist& dist, bool sync_bn, int steps, bool communicate = true,
     opt.step();
   };
   for (int i = 0; i < 5; ++i) step();
-  dist.comm->barrier();
+  job.stream->barrier();
   const auto start = Clock::now();
   {
     std::optional<port::RecordProfile> profiled;
@@ -124,24 +126,24 @@ double ms_per_step(Dist& dist, bool sync_bn, int steps, bool communicate = true,
 // Rank 0's steps of a 2-process run (Net with SyncBatchNorm, DDP averaging)
 // under the profiler, its trace written to `trace`.
 int profile(int steps, const std::string& trace) {
-  const bool ok = run_processes(2, [&](Dist& dist) {
-    const double ms = ms_per_step(dist, true, steps, true, dist.rank == 0 ? trace : "");
-    if (dist.rank == 0) std::printf("%.2f\n", ms);
+  const bool ok = run_processes(2, [&](Job& job) {
+    const double ms = ms_per_step(job, true, steps, true, job.rank == 0 ? trace : "");
+    if (job.rank == 0) std::printf("%.2f\n", ms);
   });
   return ok ? 0 : 1;
 }
 
 int sync_bn(int steps) {
-  const bool ok = run_processes(2, [&](Dist& dist) {
+  const bool ok = run_processes(2, [&](Job& job) {
     // Alternate the two variants so that machine noise hits both alike.
     double plain = 0, sync = 0;
     for (int round = 0; round < 3; ++round) {
-      plain += ms_per_step(dist, false, steps);
-      sync += ms_per_step(dist, true, steps);
+      plain += ms_per_step(job, false, steps);
+      sync += ms_per_step(job, true, steps);
     }
     plain /= 3;
     sync /= 3;
-    if (dist.rank == 0) {
+    if (job.rank == 0) {
       std::printf("| Net training step, 2 CPU processes, batch 32 | ms/step |\n|---|---|\n");
       std::printf("| BatchNorm2d (per-rank statistics) | %.2f |\n", plain);
       std::printf("| SyncBatchNorm | %.2f |\n", sync);
@@ -153,11 +155,11 @@ int sync_bn(int steps) {
 }
 
 int breakdown(int steps) {
-  const bool ok = run_processes(2, [&](Dist& dist) {
+  const bool ok = run_processes(2, [&](Job& job) {
     double t[4] = {0, 0, 0, 0};
     for (int round = 0; round < 3; ++round)
-      for (int v = 0; v < 4; ++v) t[v] += ms_per_step(dist, v / 2 == 1, steps, v % 2 == 1) / 3;
-    if (dist.rank == 0)
+      for (int v = 0; v < 4; ++v) t[v] += ms_per_step(job, v / 2 == 1, steps, v % 2 == 1) / 3;
+    if (job.rank == 0)
       std::printf("BN local %.2f | BN none %.2f | SyncBN local %.2f | SyncBN none %.2f ms/step\n", t[0], t[1], t[2], t[3]);
   });
   return ok ? 0 : 1;
@@ -170,13 +172,13 @@ int allreduce(int64_t numel, int rounds) {
   for (bool shared : {false, true}) {
     ok = ok && run_processes(
                    2,
-                   [&](Dist& dist) {
+                   [&](Job& job) {
                      auto t = torch::ones({numel});
-                     for (int i = 0; i < 10; ++i) dist.comm->allreduce_sum(t);
+                     for (int i = 0; i < 10; ++i) job.stream->allreduce_sum(t);
                      const auto start = Clock::now();
-                     for (int i = 0; i < rounds; ++i) dist.comm->allreduce_sum(t);
+                     for (int i = 0; i < rounds; ++i) job.stream->allreduce_sum(t);
                      const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count() / rounds;
-                     if (dist.rank == 0)
+                     if (job.rank == 0)
                        std::printf("%s: %lld floats, %.1f us per allreduce\n", shared ? "shared memory" : "gloo",
                                    static_cast<long long>(numel), us);
                    },
@@ -195,7 +197,8 @@ int compute_limit(int steps, const std::string& how) {
   if (plain) {
     at::set_num_threads(1);
   } else {
-    configure_worker_process(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+    configure_worker_process(threads_per_worker(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())),
+                                                read_environment().omp_num_threads));
   }
   torch::manual_seed(0);
   Net net;

@@ -3,12 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <mutex>
+#include <random>
 
-#include "mnist_ddp/collectives.hpp"
-#include "mnist_ddp/comm_hooks.hpp"
-#include "mnist_ddp/ddp.hpp"
-#include "mnist_ddp/model.hpp"
-#include "mnist_ddp/sync_batch_norm.hpp"
+#include "mnist_ddp/comm/collectives.hpp"
+#include "mnist_ddp/train/comm_hooks.hpp"
+#include "mnist_ddp/train/ddp.hpp"
+#include "mnist_ddp/train/model.hpp"
+#include "mnist_ddp/train/sync_batch_norm.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -16,26 +18,50 @@ namespace {
 
 using test::run_ranks;
 
+// Records every collective a stream issues, and sleeps up to `max` at
+// random (seeded) wherever a task is posted or run, to shake thread timing.
+class ShakingRecorder : public StreamProbe {
+ public:
+  ShakingRecorder(uint64_t seed, std::chrono::microseconds max) : rng_(seed), max_(max) {}
+  void posting() override { shake(); }
+  void running() override { shake(); }
+  void issued(const std::string& collective) override { log.push_back(collective); }
+  std::vector<std::string> log;  // written on the communication thread only
+
+ private:
+  void shake() {
+    std::chrono::microseconds pause;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      pause = std::chrono::microseconds(static_cast<int64_t>(rng_() % static_cast<uint64_t>(max_.count())));
+    }
+    std::this_thread::sleep_for(pause);
+  }
+  std::mutex mutex_;
+  std::mt19937_64 rng_;
+  const std::chrono::microseconds max_;
+};
+
 PowerSgdOptions start_at(int64_t step) {
   PowerSgdOptions o;
   o.start_iter = step;
   return o;
 }
 
-TEST(Collectives, TasksRunOneAtATimeInTheOrderPosted) {
-  run_ranks(1, [](Dist& dist) {
+TEST(CollectiveStream, TasksRunOneAtATimeInTheOrderPosted) {
+  run_ranks(1, [](Job& job) {
     std::vector<int> order;
     std::atomic<int> inside{0};
     bool overlapped = false;
-    std::vector<Collectives::Ticket> tickets;
-    dist.comm->inject_delays(1, std::chrono::microseconds(300));
+    std::vector<CollectiveStream::Ticket> tickets;
+    job.stream->watch(std::make_shared<ShakingRecorder>(1, std::chrono::microseconds(300)));
     for (int i = 0; i < 50; ++i)
-      tickets.push_back(dist.comm->post([&, i](Channel&) {
+      tickets.push_back(job.stream->post([&, i](Channel&) {
         overlapped |= inside.fetch_add(1) != 0;
         order.push_back(i);
         inside.fetch_sub(1);
       }));
-    dist.comm->wait(tickets.back());
+    job.stream->wait(tickets.back());
     std::vector<int> expected(50);
     for (int i = 0; i < 50; ++i) expected[i] = i;
     EXPECT_EQ(order, expected);
@@ -43,16 +69,16 @@ TEST(Collectives, TasksRunOneAtATimeInTheOrderPosted) {
   });
 }
 
-TEST(Collectives, AfterAFailedTaskNoLaterTaskRunsAndEachWaitSaysWhy) {
-  run_ranks(1, [](Dist& dist) {
+TEST(CollectiveStream, AfterAFailedTaskNoLaterTaskRunsAndEachWaitSaysWhy) {
+  run_ranks(1, [](Job& job) {
     bool ran = false;
-    const auto good = dist.comm->post([](Channel&) {});
-    const auto bad = dist.comm->post([](Channel&) { throw std::runtime_error("the peer is gone"); });
-    const auto later = dist.comm->post([&](Channel&) { ran = true; });
-    EXPECT_NO_THROW(dist.comm->wait(good));
-    EXPECT_THROW(dist.comm->wait(bad), std::runtime_error);
+    const auto good = job.stream->post([](Channel&) {});
+    const auto bad = job.stream->post([](Channel&) { throw std::runtime_error("the peer is gone"); });
+    const auto later = job.stream->post([&](Channel&) { ran = true; });
+    EXPECT_NO_THROW(job.stream->wait(good));
+    EXPECT_THROW(job.stream->wait(bad), std::runtime_error);
     try {
-      dist.comm->wait(later);
+      job.stream->wait(later);
       ADD_FAILURE() << "a task after a failure passed";
     } catch (const std::runtime_error& e) {
       EXPECT_STREQ(e.what(), "the peer is gone");
@@ -73,24 +99,24 @@ TEST(CollectiveOrder, EveryRankIssuesTheSameCollectivesInTheSameOrderForEveryHoo
     const auto x = torch::randn({4 * world, 1, 28, 28});
     const auto y = torch::randint(0, 10, {4 * world}, torch::kInt64);
     std::vector<std::vector<std::string>> logs(world);
-    run_ranks(world, [&](Dist& dist) {
-      convert_sync_batchnorm(*nets[dist.rank], dist.comm);
-      DistributedDataParallel ddp(torch::nn::AnyModule(nets[dist.rank]), dist, make_comm_hook(name, start_at(2)), 25);
+    run_ranks(world, [&](Job& job) {
+      convert_sync_batchnorm(*nets[job.rank], job.stream);
+      DistributedDataParallel ddp(torch::nn::AnyModule(nets[job.rank]), job, make_comm_hook(name, start_at(2)), 25);
       torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-      const auto mine = x.slice(0, 4 * dist.rank, 4 * dist.rank + 4);
-      const auto labels = y.slice(0, 4 * dist.rank, 4 * dist.rank + 4);
-      dist.comm->record();
-      dist.comm->inject_delays(1000 + dist.rank, std::chrono::microseconds(1500));
+      const auto mine = x.slice(0, 4 * job.rank, 4 * job.rank + 4);
+      const auto labels = y.slice(0, 4 * job.rank, 4 * job.rank + 4);
+      const auto recorder = std::make_shared<ShakingRecorder>(1000 + job.rank, std::chrono::microseconds(1500));
+      job.stream->watch(recorder);
       for (int step = 0; step < steps; ++step) {
         opt.zero_grad();
         const auto loss = torch::nll_loss(ddp->forward(mine), labels);
         loss.backward();
         opt.step();
         auto metric = loss.detach().to(torch::kFloat64).reshape({1});
-        dist.comm->allreduce_sum(metric);  // as the trainer's log line does
+        job.stream->allreduce_sum(metric);  // as the trainer's log line does
       }
-      dist.comm->inject_delays(0, std::chrono::microseconds(0));
-      logs[dist.rank] = dist.comm->recorded();
+      job.stream->watch(nullptr);
+      logs[job.rank] = recorder->log;
     });
     for (int r = 1; r < world; ++r) EXPECT_EQ(logs[r], logs[0]) << name << ": rank " << r << " issued another sequence";
     // Per step: SyncBatchNorm's forward statistics and backward sums of

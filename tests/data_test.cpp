@@ -2,7 +2,7 @@
 
 #include <set>
 
-#include "mnist_ddp/data.hpp"
+#include "mnist_ddp/train/data.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {

@@ -9,8 +9,8 @@
 
 #include <spdlog/fmt/fmt.h>
 
-#include "mnist_ddp/files.hpp"
-#include "mnist_ddp/options.hpp"
+#include "mnist_ddp/base/files.hpp"
+#include "mnist_ddp/base/options.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -26,7 +26,7 @@ const std::string kData = std::string(MNIST_DDP_SOURCE_DIR) + "/data";
 // The last epoch's test top-1 in a run's summary.json.
 double final_test_top1(const std::string& path) {
   const Json epochs = test::read_summary(path).at("epochs");
-  return epochs.at(epochs.size() - 1).at("test").at("top1").number();
+  return epochs.at(epochs.size() - 1).at("test").at("top1").get<double>();
 }
 
 TEST(EndToEnd, TwoGlooWorkersLearnMnistInOneEpoch) {
@@ -51,34 +51,34 @@ TEST(EndToEnd, TwoGlooWorkersLearnMnistInOneEpoch) {
   EXPECT_NE(log.find("Current best test accuracy: "), std::string::npos);
   // summary.json holds the logged figures at full precision.
   const Json summary = test::read_summary(dir / "out");
-  EXPECT_TRUE(summary.at("finished").boolean());
-  EXPECT_EQ(summary.at("arguments").at("compression").string(), "none");
-  EXPECT_EQ(summary.at("world").at("ranks").number(), 2);
+  EXPECT_TRUE(summary.at("finished").get<bool>());
+  EXPECT_EQ(summary.at("arguments").at("compression").get<std::string>(), "none");
+  EXPECT_EQ(summary.at("world").at("ranks").get<double>(), 2);
   // Workers on one host sum through shared memory (multinode_test: not across nodes).
-  EXPECT_EQ(summary.at("world").at("sums").string(), "shared memory");
+  EXPECT_EQ(summary.at("world").at("sums").get<std::string>(), "shared memory");
   EXPECT_NE(log.find("Process group: gloo over 2 rank(s), sums through shared memory, device cpu"), std::string::npos);
   ASSERT_EQ(summary.at("epochs").size(), 1u);
   const Json& epoch = summary.at("epochs").at(0);
-  const double accuracy = epoch.at("test").at("top1").number();
+  const double accuracy = epoch.at("test").at("top1").get<double>();
   std::cout << "test top-1 after one epoch: " << accuracy << "%" << std::endl;
   EXPECT_GE(accuracy, 85.0) << log;
   EXPECT_NE(log.find(fmt::format("Test Epoch: 0: Average loss: {:.4f}, Top 1 Acc: {:.2f}%, Top 5 Acc: {:.2f}%",
-                                 epoch.at("test").at("loss").number(), accuracy, epoch.at("test").at("top5").number())),
+                                 epoch.at("test").at("loss").get<double>(), accuracy, epoch.at("test").at("top5").get<double>())),
             std::string::npos)
       << log;
-  EXPECT_EQ(summary.at("best_test_top1").number(), accuracy);
+  EXPECT_EQ(summary.at("best_test_top1").get<double>(), accuracy);
   const Json& training = summary.at("training");
-  EXPECT_EQ(training.at("steps").number(), epoch.at("steps").number());
+  EXPECT_EQ(training.at("steps").get<double>(), epoch.at("steps").get<double>());
   EXPECT_NE(log.find(fmt::format("Training: {} steps in {:.1f} s, {:.0f} images/s, {:.1f} ms/step",
-                                 training.at("steps").number(), training.at("seconds").number(),
-                                 training.at("images_per_s").number(), training.at("ms_per_step").number())),
+                                 training.at("steps").get<double>(), training.at("seconds").get<double>(),
+                                 training.at("images_per_s").get<double>(), training.at("ms_per_step").get<double>())),
             std::string::npos)
       << log;
-  EXPECT_EQ(summary.at("compression").at("bytes_per_step").number(), 4800296);
-  EXPECT_EQ(summary.at("compression").at("ratio_to_none").number(), 1);
-  EXPECT_EQ(summary.at("compression").at("started_at_step").number(), 0);
-  EXPECT_EQ(summary.at("replicas").at("checks").number(), 1);
-  EXPECT_GT(summary.at("startup_s").number(), 0);
+  EXPECT_EQ(summary.at("compression").at("bytes_per_step").get<double>(), 4800296);
+  EXPECT_EQ(summary.at("compression").at("ratio_to_none").get<double>(), 1);
+  EXPECT_EQ(summary.at("compression").at("started_at_step").get<double>(), 0);
+  EXPECT_EQ(summary.at("replicas").at("checks").get<double>(), 1);
+  EXPECT_GT(summary.at("startup_s").get<double>(), 0);
   EXPECT_TRUE(summary.at("resumed_from").is_null());
   EXPECT_TRUE(files::exists(dir / "out/mnist_model.pt"));
   EXPECT_NE(console.find("The folder '" + dir / "out" + "' was created."), std::string::npos) << console;
@@ -231,10 +231,10 @@ void expect_every_compression_learns_as_well_as_none(int epochs, double margin, 
     std::cout << compression << ": test top-1 " << accuracy[compression] << "% after " << epochs << " epochs"
               << std::endl;
     const Json& c = summary.at("compression");
-    EXPECT_EQ(c.at("hook").string(), compression);
-    EXPECT_EQ(c.at("started_at_step").number(), compression.find("powersgd") != std::string::npos ? 10 : 0);
+    EXPECT_EQ(c.at("hook").get<std::string>(), compression);
+    EXPECT_EQ(c.at("started_at_step").get<double>(), compression.find("powersgd") != std::string::npos ? 10 : 0);
     // None sends 4,800,296 bytes a step; fp16 half; PowerSGD far less.
-    EXPECT_LE(c.at("bytes_per_step").number(), compression == "none" ? 4800296 : 2400148) << compression;
+    EXPECT_LE(c.at("bytes_per_step").get<double>(), compression == "none" ? 4800296 : 2400148) << compression;
     EXPECT_GE(accuracy[compression], floor) << compression;
   }
   for (const auto& [compression, top1] : accuracy)

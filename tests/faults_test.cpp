@@ -9,8 +9,8 @@
 
 #include <regex>
 
-#include "mnist_ddp/checkpoint.hpp"
-#include "mnist_ddp/files.hpp"
+#include "mnist_ddp/train/checkpoint.hpp"
+#include "mnist_ddp/base/files.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {

@@ -9,9 +9,9 @@
 #include <random>
 #include <thread>
 
-#include "mnist_ddp/checkpoint.hpp"
-#include "mnist_ddp/files.hpp"
-#include "mnist_ddp/options.hpp"
+#include "mnist_ddp/train/checkpoint.hpp"
+#include "mnist_ddp/base/files.hpp"
+#include "mnist_ddp/base/options.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {

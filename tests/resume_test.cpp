@@ -14,8 +14,8 @@
 
 #include <spdlog/fmt/fmt.h>
 
-#include "mnist_ddp/checkpoint.hpp"
-#include "mnist_ddp/files.hpp"
+#include "mnist_ddp/train/checkpoint.hpp"
+#include "mnist_ddp/base/files.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -116,9 +116,9 @@ TEST(Resume, StoppedPreemptedAndKilledRunsEndAsTheStraightRun) {
       const Json summary = test::read_summary(split), straight_summary = test::read_summary(straight);
       ASSERT_EQ(summary.at("epochs").size(), 2u);
       for (size_t e = 0; e < 2; ++e)
-        EXPECT_EQ(summary.at("epochs").at(e).at("test").at("top1").number(),
-                  straight_summary.at("epochs").at(e).at("test").at("top1").number());
-      EXPECT_EQ(summary.at("resumed_from").at("step").number(), 23);
+        EXPECT_EQ(summary.at("epochs").at(e).at("test").at("top1").get<double>(),
+                  straight_summary.at("epochs").at(e).at("test").at("top1").get<double>());
+      EXPECT_EQ(summary.at("resumed_from").at("step").get<double>(), 23);
     } else {
       // SIGTERM to the launcher in epoch 1: every worker finishes the step it
       // is on, that step is checkpointed, the job exits 143, and --resume auto
@@ -138,7 +138,7 @@ TEST(Resume, StoppedPreemptedAndKilledRunsEndAsTheStraightRun) {
       EXPECT_NE(stopped.find("stopped after step " + std::to_string(at.step) + " (epoch 1, batch " + std::to_string(at.batch) + ")"),
                 std::string::npos) << stopped;
       EXPECT_GT(at.batch, 5);  // mid-epoch, not the checkpoint of epoch 0
-      EXPECT_EQ(test::read_summary(preempted).at("preempted").string(), "SIGTERM");
+      EXPECT_EQ(test::read_summary(preempted).at("preempted").get<std::string>(), "SIGTERM");
       ASSERT_EQ(run(job(dir / "data", preempted, compression, {"--epochs", "2", "--resume", "auto"}), dir / "out.txt"), 0);
       expect_same_end(preempted, straight);
     }
@@ -260,9 +260,9 @@ TEST(Torchrun, TwoWorkersTrainAsOneJobAndARestartEndsAsTheStraightRun) {
   ASSERT_NE(status, -1) << "torchrun still running after 300 s:\n" << read_text(dir / "torchrun.txt");
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_text(dir / "torchrun.txt");
   const Json summary = test::read_summary(restarted);
-  EXPECT_EQ(summary.at("world").at("ranks").number(), 2);
-  EXPECT_EQ(summary.at("world").at("restart").number(), 1);
-  EXPECT_EQ(summary.at("resumed_from").at("step").number(), kill_step / 4 * 4);
+  EXPECT_EQ(summary.at("world").at("ranks").get<double>(), 2);
+  EXPECT_EQ(summary.at("world").at("restart").get<double>(), 1);
+  EXPECT_EQ(summary.at("resumed_from").at("step").get<double>(), kill_step / 4 * 4);
   expect_same_end(restarted, straight);
 }
 
@@ -287,7 +287,7 @@ TEST(Interop, PythonLoadsTheModelsAndReproducesTheLoggedAccuracy) {
     // The best model is the best test pass's; the checkpoint's, the last's.
     const std::string printed = read_text(dir / "python.txt");
     const Json epochs = test::read_summary(dir / "out").at("epochs");
-    const std::string last = fmt::format("{:.4f}%", epochs.at(epochs.size() - 1).at("test").at("top1").number());
+    const std::string last = fmt::format("{:.4f}%", epochs.at(epochs.size() - 1).at("test").at("top1").get<double>());
     EXPECT_NE(printed.find("test top-1 " + (model == dir / "out/mnist_model.pt" ? expected : last)), std::string::npos)
         << model << ": " << printed << " vs " << expected << " (best), " << last << " (last)";
   }

@@ -8,7 +8,7 @@
 #include <regex>
 #include <set>
 
-#include "mnist_ddp/checkpoint.hpp"
+#include "mnist_ddp/train/checkpoint.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -143,12 +143,12 @@ TEST_F(Slurm, APreemptedJobRequeuesResumesAndEndsAsTheStraightRun) {
   EXPECT_NE(log.find("Preempted by SIGTERM: every rank stopped after step"), std::string::npos) << log;
   EXPECT_NE(log.find("Preempted by SIGUSR1: every rank stopped after step"), std::string::npos) << log;
   const Json summary = test::read_summary(path);
-  EXPECT_EQ(summary.at("world").at("ranks").number(), 2);
-  EXPECT_GE(summary.at("world").at("restart").number(), 2);  // SLURM_RESTART_COUNT
+  EXPECT_EQ(summary.at("world").at("ranks").get<double>(), 2);
+  EXPECT_GE(summary.at("world").at("restart").get<double>(), 2);  // SLURM_RESTART_COUNT
   // The port follows the job, and what the environment decided is what is reported.
   const std::string port = std::to_string(20000 + std::stoi(job) % 10000);
-  EXPECT_EQ(summary.at("arguments").at("master_port").string(), port);
-  EXPECT_EQ(summary.at("arguments").at("nproc").string(), "2");
+  EXPECT_EQ(summary.at("arguments").at("master_port").get<std::string>(), port);
+  EXPECT_EQ(summary.at("arguments").at("nproc").get<std::string>(), "2");
   EXPECT_NE(log.find("the launcher's environment overrides the command line: --master-port " + port +
                      " (given 1234), --nproc 2 (given 4)"),
             std::string::npos) << log;

@@ -36,22 +36,23 @@
 
 #include <zlib.h>
 
-#include "mnist_ddp/dist.hpp"
-#include "mnist_ddp/files.hpp"
-#include "mnist_ddp/report.hpp"
+#include "mnist_ddp/base/files.hpp"
+#include "mnist_ddp/base/options.hpp"
+#include "mnist_ddp/comm/rendezvous.hpp"
+#include "mnist_ddp/train/report.hpp"
 
 namespace mnist_ddp::test {
 
-void run_rank_processes(int world, const std::function<void(Dist&)>& fn, torch::Device device);
+void run_rank_processes(int world, const std::function<void(Job&)>& fn, torch::Device device);
 
 // How CPU ranks sum: through their Gloo group, or through shared memory as
 // a job on one host does (shared_memory.hpp).
 enum class Sums { gloo, shared_memory };
 
-// Runs fn(dist) on `world` ranks with Gloo groups, their tensors on
+// Runs fn(job) on `world` ranks with Gloo groups, their tensors on
 // `device`. On the CPU each rank is a thread, all over one in-memory store;
 // the first failure is rethrown. On a GPU, see run_rank_processes.
-inline void run_ranks(int world, const std::function<void(Dist&)>& fn, torch::Device device = torch::kCPU,
+inline void run_ranks(int world, const std::function<void(Job&)>& fn, torch::Device device = torch::kCPU,
                       Sums sums = Sums::gloo) {
   if (device.is_cuda()) return run_rank_processes(world, fn, device);
   auto store = c10::make_intrusive<c10d::HashStore>();
@@ -61,10 +62,10 @@ inline void run_ranks(int world, const std::function<void(Dist&)>& fn, torch::De
   for (int rank = 0; rank < world; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        Dist dist = make_dist(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(60),
+        Job job = make_job(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(60),
                               sums == Sums::shared_memory);
-        fn(dist);
-        if (world > 1) dist.comm->barrier();  // no rank tears its group down while another still talks on it
+        fn(job);
+        if (world > 1) job.stream->barrier();  // no rank tears its group down while another still talks on it
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex);
         if (!failure) failure = std::current_exception();
@@ -73,6 +74,25 @@ inline void run_ranks(int world, const std::function<void(Dist&)>& fn, torch::De
   }
   for (auto& t : threads) t.join();
   if (failure) std::rethrow_exception(failure);
+}
+
+// The options a command line gives (without the program's name), in an
+// empty environment.
+inline Options parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "mnist_ddp");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  return *parse_options(static_cast<int>(argv.size()), argv.data());
+}
+
+// The one line a command line is refused with, or "(accepted)".
+inline std::string usage_error(const std::vector<std::string>& args) {
+  try {
+    parse(args);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "(accepted)";
 }
 
 // A fresh directory under the system's temporary directory, removed at the end of the test.
@@ -404,12 +424,12 @@ inline bool no_children_left(std::chrono::milliseconds limit) {
 // test, as one rank over a FileStore; the parent fails when a rank does. So
 // a CUDA test must assert inside `fn`: what the ranks write to variables
 // stays in their processes.
-inline void run_rank_processes(int world, const std::function<void(Dist&)>& fn, torch::Device device) {
+inline void run_rank_processes(int world, const std::function<void(Job&)>& fn, torch::Device device) {
   if (const char* rank = std::getenv("MNIST_DDP_TEST_RANK")) {  // this process is one of the ranks
     auto store = c10::make_intrusive<c10d::FileStore>(std::getenv("MNIST_DDP_TEST_STORE"), world);
-    Dist dist = make_dist(store, std::atoi(rank), world, "gloo", device, std::chrono::seconds(60));
-    fn(dist);
-    if (world > 1) dist.comm->barrier();
+    Job job = make_job(store, std::atoi(rank), world, "gloo", device, std::chrono::seconds(60));
+    fn(job);
+    if (world > 1) job.stream->barrier();
     return;
   }
   TempDir dir;

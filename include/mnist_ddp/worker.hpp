@@ -2,27 +2,22 @@
 // Slurm) to be one rank of the job, from its first tensor to its exit code.
 #pragma once
 
-#include "mnist_ddp/launcher.hpp"
-#include "mnist_ddp/options.hpp"
+#include "mnist_ddp/base/environment.hpp"
+#include "mnist_ddp/base/options.hpp"
 
 namespace mnist_ddp {
 
-// What the launcher checks before it starts any worker, so that a missing
-// dataset, an unusable --path or a broken checkpoint is one message, not one
-// per worker. Creates --path. Throws DataError, CheckpointError or
-// std::runtime_error.
-void preflight(const Options& opts);
+// Sets up a worker process before its first tensor: `threads` intra-op
+// threads (threads_per_worker(), placement.hpp), and an allocator that
+// keeps freed memory for reuse.
+void configure_worker_process(int threads);
 
-// Sets up a worker process before its first tensor: intra-op threads that
-// share the cores among `local_workers` processes (unless OMP_NUM_THREADS
-// says otherwise), and an allocator that keeps freed memory for reuse.
-void configure_worker_process(int local_workers);
-
-// Runs this process as the worker `env` describes: joins the job, trains,
-// and leaves. Returns 0, or 128 + the signal when SIGTERM or SIGUSR1 stopped
-// training at a checkpointed step; on an error reports it as one line (to
-// the launcher when one listens) and exits the process at once with 2 for
-// a usage error, 1 for any other.
-int run_worker(const Options& opts, const WorkerEnv& env);
+// Runs this process as the worker `worker` describes (`env` is the
+// process's environment, launched_worker() read it): joins the job, trains,
+// and leaves. Returns 0, or 128 + the signal when SIGTERM or SIGUSR1
+// stopped training at a checkpointed step; on an error reports it as one
+// line (to the launcher when one listens) and exits the process at once
+// with 2 for a usage error, 1 for any other.
+int run_worker(const Options& opts, const Environment& env, const WorkerEnv& worker);
 
 }  // namespace mnist_ddp

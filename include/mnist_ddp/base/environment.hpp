@@ -1,0 +1,119 @@
+// The one place that reads the process's environment.
+//
+// read_environment() turns the variables this process was started with into
+// plain values: which launcher started it as a worker and what that launcher
+// decided (WorkerEnv), the CUDA and OpenMP variables, when the job was
+// launched, and the tests' fault injection (faults.hpp). No other file calls
+// getenv. Tests build an Environment from a list of variables with
+// environment_from().
+//
+// It also holds the other direction: the environment our launcher gives
+// each worker (worker_environment()), which reads back as the same WorkerEnv.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mnist_ddp/base/faults.hpp"
+
+namespace mnist_ddp {
+
+// A worker's place in the job, as the launcher that started it gives it.
+//
+// A worker is this same binary, exec'ed with the environment torchrun would
+// give it (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
+// MASTER_PORT, and RANK and WORLD_SIZE from torchrun or Slurm).
+struct WorkerEnv {
+  std::string launcher;  // "mnist_ddp" (ours), "torchrun" (or RANK set by hand), "slurm"
+  int rank = -1;         // -1: agreed through the store (comm/rendezvous.hpp)
+  int world_size = -1;   // likewise
+  int local_rank = 0;
+  int local_world_size = 1;
+  int node_rank = 0;
+  int nnodes = 1;
+  std::string master_addr;
+  int master_port = 0;
+  // Set by our launcher, which hosts the store on node 0 and counts its
+  // starts of the workers from 0 (a restart is a new round): the workers
+  // meet under the key prefix "round/<round>", so no start reads another's
+  // keys. -1: started by another launcher (rank 0, or torchrun's agent,
+  // hosts the store).
+  int round = -1;
+  // Which start of the job's workers this is: 0, then one more per restart
+  // (our launcher's round, torchrun's TORCHELASTIC_RESTART_COUNT, Slurm's
+  // SLURM_RESTART_COUNT for a requeued job).
+  int restart = 0;
+  // torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True):
+  // the workers join it as clients under "/worker/attempt_<restart>", the
+  // prefix PyTorch's own workers use there.
+  bool agent_store = false;
+  // Set by our launcher: where this worker trains, as the launcher planned
+  // it (backend "" : another launcher started us, and the worker plans its
+  // own placement); device -1 is the CPU.
+  std::string backend;
+  int device = -1;
+  // Set by our launcher: a failing worker writes an error report here
+  // (error_report.hpp) instead of printing it.
+  int error_report_fd = -1;
+
+  bool ours() const { return round >= 0; }
+};
+
+struct Environment {
+  // Every variable, "KEY=VALUE", in the order the process got them: what a
+  // launcher's workers inherit.
+  std::vector<std::string> variables;
+  std::string master_addr;  // $MASTER_ADDR; "" when unset
+  std::string master_port;  // $MASTER_PORT as given (options.cpp validates it); "" when unset
+  std::optional<std::string> cuda_visible_devices;  // $CUDA_VISIBLE_DEVICES, when set
+  int omp_num_threads = 0;  // $OMP_NUM_THREADS when a positive integer, else 0
+  // When the job was launched, in seconds since the Unix epoch: our
+  // launcher's MNIST_DDP_LAUNCH_TIME, else when this process started.
+  double launch_time = 0;
+  bool dumb_terminal = false;       // TERM=dumb: no progress line
+  bool libtorch_log_level = false;  // GLOG_minloglevel is set: LibTorch's logs are the user's to tune
+  Faults faults;
+
+  // The value of `name`, nullopt when it is unset.
+  std::optional<std::string> get(const std::string& name) const;
+};
+
+// This process's environment.
+Environment read_environment();
+// The environment `variables` ("KEY=VALUE") describe, for a process that
+// started at `process_start` (seconds since the Unix epoch). Pure.
+Environment environment_from(const std::vector<std::string>& variables, double process_start = 0);
+
+// The worker this process is when a launcher started it as one: torchrun's
+// variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+// TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RESTART_COUNT), Slurm's
+// (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; node 0 is the first host of
+// SLURM_JOB_NODELIST unless MASTER_ADDR says), or our launcher's, which
+// leaves RANK and WORLD_SIZE to be agreed through the store. nullopt when
+// this process should be the launcher. Throws UsageError for a malformed
+// environment.
+std::optional<WorkerEnv> launched_worker(const Environment& env);
+
+// What a launcher other than ours decided that a flag would otherwise say,
+// as (argument name, value): the store's address and port, the node's
+// worker count, the node count and this node's rank. Empty for our own
+// launcher's workers, whose flags are the launcher's.
+std::vector<std::pair<std::string, std::string>> launcher_decisions(const WorkerEnv& env);
+
+// The environment our launcher gives the worker `env` describes: `parent`
+// ("KEY=VALUE" entries) without any launcher's variables, then ours, which
+// launched_worker() reads back as `env`, and `launch_time`. Unless `parent`
+// sets OMP_NUM_THREADS, it also gives each of the node's workers its share
+// of the `cores`. Pure.
+std::vector<std::string> worker_environment(const WorkerEnv& env, const std::vector<std::string>& parent, int cores,
+                                            double launch_time = 0);
+
+// The first host of a Slurm node list: "gpu[003-005,010],cpu7" -> "gpu003".
+std::string first_slurm_host(const std::string& nodelist);
+
+// Seconds since the Unix epoch, now.
+double unix_seconds();
+
+}  // namespace mnist_ddp

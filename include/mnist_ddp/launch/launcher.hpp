@@ -1,0 +1,43 @@
+// The launcher: the parent process that starts and supervises one node's
+// workers. It never initialises CUDA; each worker is this binary exec'ed
+// with the environment worker_environment() builds (environment.hpp).
+//
+// SIGINT/SIGHUP to the launcher print the reference's "KeyboardInterrupt
+// received. Terminating processes..." and stop every worker (SIGTERM, then
+// SIGKILL after a grace period); SIGTERM/SIGUSR1 (preemption) are passed on,
+// and the workers get 60 s to checkpoint; a worker that fails stops the
+// others, and the launcher prints the one line that says why. Every worker
+// is reaped before the launcher returns (supervisor.hpp).
+//
+// Node 0's launcher hosts the job's store; every launcher starts its
+// workers in rounds (0, then one more per --max-restarts restart), which
+// every node agrees on through that store (restart_rounds.hpp).
+#pragma once
+
+#include <signal.h>
+
+#include <string>
+#include <vector>
+
+#include "mnist_ddp/base/environment.hpp"
+#include "mnist_ddp/base/options.hpp"
+#include "mnist_ddp/base/placement.hpp"
+
+namespace mnist_ddp {
+
+// What the launcher checks before it starts any worker, so that a missing
+// dataset, an unusable --path or a broken checkpoint is one message, not one
+// per worker. Creates --path and says so. Throws DataError, CheckpointError
+// or std::runtime_error.
+void preflight(const Options& opts);
+
+// Runs the launcher on the calling thread until every worker has exited;
+// block_launcher_signals() (supervisor.hpp) must have run, and
+// `original_mask` is what it returned (the workers start with it). Returns
+// the process exit code: 0 on success, the failed worker's exit code (128 +
+// signal when it was killed), 128 + signal when the launcher was
+// interrupted, 1 for its own errors.
+int run_launcher(const Options& opts, const Placement& placement, const Environment& env,
+                 const std::vector<std::string>& argv, const sigset_t& original_mask);
+
+}  // namespace mnist_ddp

@@ -1,0 +1,60 @@
+// A run's checkpoints: what one holds besides the weights, and how a run
+// takes it back.
+//
+// Each call runs on the calling (training) thread. The ones marked
+// "collective" go through the rank's collective stream and block until every
+// rank has made the same call; call them from every rank in the same order.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "mnist_ddp/train/checkpoint.hpp"
+#include "mnist_ddp/train/comm_hooks.hpp"
+#include "mnist_ddp/comm/rendezvous.hpp"
+#include "mnist_ddp/base/options.hpp"
+
+namespace mnist_ddp {
+
+// Where a run stands between two steps.
+struct Position {
+  int64_t epoch = 0;         // the epoch to continue in
+  int64_t batch = 0;         // batches of it already trained
+  int64_t step = 0;          // training steps finished
+  double best_accuracy = 0;  // best test top-1 so far, in percent
+};
+
+// <path>/checkpoint.
+std::string checkpoint_dir(const Options& opts);
+
+// The checkpoint --resume names, or "" for a fresh start.
+std::string resume_dir(const Options& opts);
+
+// Collective. Rank 0 reads the checkpoint its --resume names (throws
+// CheckpointError) and sends its files to every rank; each rank parses the
+// same bytes. Rank 0 decides for all: nullopt on every rank when it starts
+// afresh, whatever the other nodes' disks hold.
+std::optional<Checkpoint> receive_checkpoint(const Options& opts, Job& job);
+
+// What a checkpoint saves and restores besides the model's weights.
+struct TrainingParts {
+  torch::optim::SGD& optimizer;
+  torch::OrderedDict<std::string, torch::Tensor> parameters;  // DDP's: "module.conv1.weight", ...
+  CommHook& hook;
+};
+
+// Applies `c` to this rank: optimizer momentum; this rank's RNG streams and
+// its own hook state when the world size is the checkpoint's; the shared
+// hook state when the hook is. Logs what it resumes and what it cannot.
+Position restore(const Checkpoint& c, const TrainingParts& parts, const Options& opts, const Job& job);
+
+// Collective: every rank's RNG streams and own hook state go to rank 0,
+// which returns the whole checkpoint of `model` at `at`, recording the
+// run's `arguments`; other ranks nullopt.
+std::optional<Checkpoint> capture(const Position& at, const torch::nn::Module& model, const TrainingParts& parts,
+                                  const Options& opts, const Arguments& arguments, const Job& job);
+
+}  // namespace mnist_ddp

@@ -1,0 +1,241 @@
+#include "mnist_ddp/base/environment.hpp"
+
+#include <unistd.h>  // environ
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <set>
+#include <sstream>
+
+#include "mnist_ddp/base/errors.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+// When this process started: at static initialisation, before main().
+const double g_process_start = unix_seconds();
+
+// What any launcher sets, and the variables by which our launcher talks to
+// its workers: never passed on from a launcher to its workers.
+const std::set<std::string> kLauncherVariables = {
+    "RANK",          "LOCAL_RANK",     "WORLD_SIZE",         "LOCAL_WORLD_SIZE",      "GROUP_RANK",
+    "MASTER_ADDR",   "MASTER_PORT",    "MNIST_DDP_NNODES",   "MNIST_DDP_ROUND",       "MNIST_DDP_ERROR_FD",
+    "MNIST_DDP_LAUNCH_TIME", "MNIST_DDP_BACKEND", "MNIST_DDP_DEVICE"};
+
+// Reads integers out of an Environment, naming the variable when one is malformed.
+class Reader {
+ public:
+  explicit Reader(const Environment& env) : env_(env) {}
+
+  bool has(const char* name) const { return env_.get(name).has_value(); }
+
+  std::string text(const char* name, const std::string& fallback = "") const {
+    const auto v = env_.get(name);
+    return v && !v->empty() ? *v : fallback;
+  }
+
+  // A non-negative integer; `fallback` when unset or empty, else required.
+  int integer(const char* name, std::optional<int> fallback) const {
+    const auto value = env_.get(name);
+    if (!value || value->empty()) {
+      if (fallback) return *fallback;
+      throw UsageError(std::string("environment variable ") + name + " is not set");
+    }
+    char* end = nullptr;
+    errno = 0;
+    const long v = std::strtol(value->c_str(), &end, 10);
+    if (errno || *end || v < 0 || v > 1 << 30)
+      throw UsageError(std::string("environment variable ") + name + "='" + *value +
+                       "' is not a non-negative integer");
+    return static_cast<int>(v);
+  }
+
+ private:
+  const Environment& env_;
+};
+
+}  // namespace
+
+double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::optional<std::string> Environment::get(const std::string& name) const {
+  for (const std::string& kv : variables)
+    if (kv.size() > name.size() && kv[name.size()] == '=' && kv.compare(0, name.size(), name) == 0)
+      return kv.substr(name.size() + 1);
+  return std::nullopt;
+}
+
+Environment read_environment() {
+  std::vector<std::string> variables;
+  for (char** e = environ; *e; ++e) variables.emplace_back(*e);
+  return environment_from(variables, g_process_start);
+}
+
+Environment environment_from(const std::vector<std::string>& variables, double process_start) {
+  Environment env;
+  env.variables = variables;
+  const Reader read(env);
+  env.master_addr = read.text("MASTER_ADDR");
+  env.master_port = read.text("MASTER_PORT");
+  env.cuda_visible_devices = env.get("CUDA_VISIBLE_DEVICES");
+  const int threads = std::atoi(read.text("OMP_NUM_THREADS", "0").c_str());
+  env.omp_num_threads = std::max(0, threads);
+  const std::string launched = read.text("MNIST_DDP_LAUNCH_TIME");
+  env.launch_time = launched.empty() ? process_start : std::atof(launched.c_str());
+  env.dumb_terminal = read.text("TERM") == "dumb";
+  env.libtorch_log_level = read.has("GLOG_minloglevel");
+  env.faults.kill_at_write = std::max(0, std::atoi(read.text("MNIST_DDP_KILL_AT_WRITE", "0").c_str()));
+  env.faults.kill_after_step = Faults::parse_steps(read.text("MNIST_DDP_KILL_AFTER_STEP"));
+  env.faults.pause_after_step = Faults::parse_steps(read.text("MNIST_DDP_PAUSE_AFTER_STEP"));
+  return env;
+}
+
+std::string first_slurm_host(const std::string& nodelist) {
+  size_t end = 0;
+  for (int depth = 0; end < nodelist.size(); ++end) {
+    if (nodelist[end] == '[') ++depth;
+    if (nodelist[end] == ']') --depth;
+    if (nodelist[end] == ',' && depth == 0) break;
+  }
+  const std::string first = nodelist.substr(0, end);
+  const size_t open = first.find('[');
+  if (open == std::string::npos) return first;
+  const size_t close = first.find(']', open);
+  const std::string range = first.substr(open + 1, close - open - 1);
+  const std::string head = range.substr(0, range.find_first_of(",-"));
+  return first.substr(0, open) + head + (close == std::string::npos ? "" : first.substr(close + 1));
+}
+
+std::optional<WorkerEnv> launched_worker(const Environment& environment) {
+  const Reader env(environment);
+  WorkerEnv w;
+  if (env.has("RANK") && env.has("WORLD_SIZE")) {  // torchrun, or set by hand
+    w.launcher = "torchrun";
+    w.rank = env.integer("RANK", std::nullopt);
+    w.world_size = env.integer("WORLD_SIZE", std::nullopt);
+    w.local_rank = env.integer("LOCAL_RANK", w.rank);
+    w.local_world_size = env.integer("LOCAL_WORLD_SIZE", w.world_size);
+    w.node_rank = env.integer("GROUP_RANK", 0);
+    w.master_addr = env.text("MASTER_ADDR", "127.0.0.1");
+    w.master_port = env.integer("MASTER_PORT", std::nullopt);
+    w.agent_store = env.text("TORCHELASTIC_USE_AGENT_STORE") == "True";
+    w.restart = env.integer("TORCHELASTIC_RESTART_COUNT", 0);
+  } else if (env.has("SLURM_PROCID") && env.has("SLURM_NTASKS")) {  // srun
+    w.launcher = "slurm";
+    w.rank = env.integer("SLURM_PROCID", std::nullopt);
+    w.world_size = env.integer("SLURM_NTASKS", std::nullopt);
+    w.local_rank = env.integer("SLURM_LOCALID", 0);
+    const std::string per_node = env.text("SLURM_TASKS_PER_NODE");  // e.g. "4(x2),2"
+    w.local_world_size = per_node.empty() ? 1 : std::max(1, std::atoi(per_node.c_str()));
+    w.local_rank = std::min(w.local_rank, w.local_world_size - 1);
+    w.node_rank = env.integer("SLURM_NODEID", 0);
+    const std::string nodes = env.text("SLURM_JOB_NODELIST", env.text("SLURM_NODELIST"));
+    w.master_addr = env.text("MASTER_ADDR", nodes.empty() ? "" : first_slurm_host(nodes));
+    if (w.master_addr.empty())
+      throw UsageError("environment: Slurm gives no SLURM_JOB_NODELIST; set MASTER_ADDR to node 0's address");
+    // A port of the job's own, so that two jobs on one node do not meet:
+    // one of 20000-29999 that follows SLURM_JOB_ID (a requeued job keeps
+    // its id, and its port).
+    w.master_port = env.integer("MASTER_PORT", 20000 + env.integer("SLURM_JOB_ID", 0) % 10000);
+    w.restart = env.integer("SLURM_RESTART_COUNT", 0);  // a requeued job's
+  } else if (env.has("MNIST_DDP_NNODES")) {  // our launcher
+    w.launcher = "mnist_ddp";
+    w.nnodes = env.integer("MNIST_DDP_NNODES", std::nullopt);
+    w.node_rank = env.integer("GROUP_RANK", std::nullopt);
+    w.local_rank = env.integer("LOCAL_RANK", std::nullopt);
+    w.local_world_size = env.integer("LOCAL_WORLD_SIZE", std::nullopt);
+    w.master_addr = env.text("MASTER_ADDR", "127.0.0.1");
+    w.master_port = env.integer("MASTER_PORT", std::nullopt);
+    w.round = env.integer("MNIST_DDP_ROUND", std::nullopt);
+    w.restart = w.round;
+    w.backend = env.text("MNIST_DDP_BACKEND", "gloo");
+    w.device = env.has("MNIST_DDP_DEVICE") ? env.integer("MNIST_DDP_DEVICE", std::nullopt) : -1;
+  } else {
+    return std::nullopt;
+  }
+  w.error_report_fd = env.integer("MNIST_DDP_ERROR_FD", -1);
+  if (w.rank >= 0 && (w.world_size < 1 || w.rank >= w.world_size))
+    throw UsageError("environment: RANK=" + std::to_string(w.rank) + " is not below WORLD_SIZE=" +
+                     std::to_string(w.world_size));
+  if (w.local_rank >= w.local_world_size)
+    throw UsageError("environment: LOCAL_RANK=" + std::to_string(w.local_rank) + " is not below LOCAL_WORLD_SIZE=" +
+                     std::to_string(w.local_world_size));
+  if (w.master_port == 0)
+    throw UsageError("environment: MASTER_PORT=0: every rank must know the store's port, so it cannot be picked "
+                     "at random; set a fixed one, or unset it (under Slurm it then follows SLURM_JOB_ID)");
+  return w;
+}
+
+std::vector<std::pair<std::string, std::string>> launcher_decisions(const WorkerEnv& env) {
+  if (env.ours()) return {};
+  std::vector<std::pair<std::string, std::string>> decided = {
+      {"master_addr", env.master_addr},
+      {"master_port", std::to_string(env.master_port)},
+      {"nproc", std::to_string(env.local_world_size)},
+  };
+  if (env.world_size % env.local_world_size == 0)
+    decided.emplace_back("nnodes", std::to_string(env.world_size / env.local_world_size));
+  decided.emplace_back("node_rank", std::to_string(env.node_rank));
+  return decided;
+}
+
+std::vector<std::string> worker_environment(const WorkerEnv& env, const std::vector<std::string>& parent, int cores,
+                                            double launch_time) {
+  std::vector<std::string> out;
+  bool threads = false;
+  for (const std::string& kv : parent) {
+    const std::string key = kv.substr(0, kv.find('='));
+    if (kLauncherVariables.count(key)) continue;
+    threads |= key == "OMP_NUM_THREADS";
+    out.push_back(kv);
+  }
+  // No RANK or WORLD_SIZE: the workers of all nodes agree on them through
+  // the store, so no node needs to know how many workers the others run.
+  out.push_back("LOCAL_RANK=" + std::to_string(env.local_rank));
+  out.push_back("LOCAL_WORLD_SIZE=" + std::to_string(env.local_world_size));
+  out.push_back("GROUP_RANK=" + std::to_string(env.node_rank));
+  out.push_back("MNIST_DDP_NNODES=" + std::to_string(env.nnodes));
+  out.push_back("MASTER_ADDR=" + env.master_addr);
+  out.push_back("MASTER_PORT=" + std::to_string(env.master_port));
+  out.push_back("MNIST_DDP_ROUND=" + std::to_string(env.round));
+  if (!env.backend.empty()) out.push_back("MNIST_DDP_BACKEND=" + env.backend);
+  if (env.device >= 0) out.push_back("MNIST_DDP_DEVICE=" + std::to_string(env.device));
+  if (env.error_report_fd >= 0) out.push_back("MNIST_DDP_ERROR_FD=" + std::to_string(env.error_report_fd));
+  if (launch_time > 0) {
+    std::ostringstream time;
+    time.precision(17);
+    time << launch_time;
+    out.push_back("MNIST_DDP_LAUNCH_TIME=" + time.str());
+  }
+  // Each worker's share of the cores, for every OpenMP pool it starts
+  // (ATen's and OpenBLAS's, on any thread), unless the user set one.
+  if (!threads) out.push_back("OMP_NUM_THREADS=" + std::to_string(std::max(1, cores / std::max(1, env.local_world_size))));
+  return out;
+}
+
+int64_t Faults::step_for(const std::vector<AtStep>& points, int restart, int rank) {
+  for (const AtStep& p : points)
+    if (p.restart == restart && p.rank == rank) return p.step;
+  return -1;
+}
+
+std::vector<Faults::AtStep> Faults::parse_steps(const std::string& spec) {
+  std::vector<AtStep> out;
+  std::istringstream entries(spec);
+  for (std::string entry; std::getline(entries, entry, ',');) {
+    AtStep p;
+    long long step = -1;
+    if (std::sscanf(entry.c_str(), "%d:%d:%lld", &p.restart, &p.rank, &step) == 3) {
+      p.step = step;
+      out.push_back(p);
+    }
+  }
+  return out;
+}
+
+}  // namespace mnist_ddp

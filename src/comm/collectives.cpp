@@ -1,0 +1,199 @@
+#include "mnist_ddp/comm/collectives.hpp"
+
+#ifdef MNIST_DDP_WITH_CUDA
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <sstream>
+
+#include "mnist_ddp/comm/runtime.hpp"
+#include "mnist_ddp/comm/shared_memory.hpp"
+
+namespace mnist_ddp {
+
+FuturePtr completed_future(const torch::Tensor& tensor) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+  future->markCompleted(c10::IValue(tensor));
+  return future;
+}
+
+Channel::Channel(GroupPtr group, torch::Device device, bool nccl, std::unique_ptr<SharedMemoryReducer> shared)
+    : group_(std::move(group)), device_(device), nccl_(nccl), shared_(std::move(shared)) {}
+
+Channel::~Channel() = default;
+
+void Channel::issue(const char* kind, const torch::Tensor& tensor) {
+  if (!probe) return;
+  std::ostringstream s;
+  s << kind;
+  if (tensor.defined()) s << " " << tensor.scalar_type() << " " << tensor.sizes();
+  probe->issued(s.str());
+}
+
+FuturePtr Channel::allreduce_sum(torch::Tensor tensor) {
+  issue("allreduce", tensor);
+  if (shared_ && tensor.is_cpu()) {
+    torch::Tensor dense = tensor.contiguous();
+    shared_->allreduce_sum(dense);
+    if (!dense.is_same(tensor)) tensor.copy_(dense);
+    return completed_future(tensor);
+  }
+  std::vector<at::Tensor> tensors{std::move(tensor)};
+  return group_->allreduce(tensors)->getFuture();
+}
+
+void Channel::broadcast(torch::Tensor& tensor, int root) {
+  issue("broadcast", tensor);
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  group_->broadcast(tensors, opts)->wait();
+}
+
+std::vector<torch::Tensor> Channel::gather_to_rank0(const torch::Tensor& tensor) {
+  std::vector<at::Tensor> input{tensor.to(staging()).contiguous()};
+  issue("gather", input[0]);
+  std::vector<std::vector<at::Tensor>> output;
+  if (rank() == 0) {
+    output.emplace_back();
+    for (int r = 0; r < world_size(); ++r) output[0].push_back(torch::empty_like(input[0]));
+  }
+  c10d::GatherOptions opts;
+  opts.rootRank = 0;
+  group_->gather(output, input, opts)->wait();
+  std::vector<torch::Tensor> out;
+  if (!output.empty())
+    for (auto& t : output[0]) out.push_back(t.cpu());
+  return out;
+}
+
+void Channel::exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from) {
+  issue("exchange", out);
+  std::vector<at::Tensor> send{out}, recv{in};
+  const int tag = tag_;
+  tag_ = (tag_ + 1) % (1 << 30);
+  auto sent = group_->send(send, to, tag);
+  group_->recv(recv, from, tag)->wait();
+  sent->wait();
+}
+
+void Channel::barrier() {
+  issue("barrier", torch::Tensor());
+  group_->barrier()->wait();
+}
+
+CollectiveStream::CollectiveStream(GroupPtr group, torch::Device device, bool nccl, std::unique_ptr<SharedMemoryReducer> shared)
+    : rank_(group->getRank()),
+      world_size_(group->getSize()),
+      device_(device),
+      nccl_(nccl),
+      group_(group),
+      channel_(std::move(group), device, nccl, std::move(shared)) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+CollectiveStream::~CollectiveStream() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+  if (nccl_ && !error_) port::shut_down_nccl(*group_);
+}
+
+CollectiveStream::Ticket CollectiveStream::post(Task task) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (const auto probe = probe_) {
+    lock.unlock();
+    probe->posting();
+    lock.lock();
+  }
+  const Ticket ticket = posted_++;
+  queue_.emplace_back(ticket, std::move(task));
+  cv_.notify_all();
+  return ticket;
+}
+
+void CollectiveStream::wait(Ticket ticket) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [&] { return finished_ > ticket; });
+  if (error_ && ticket >= failed_) std::rethrow_exception(error_);
+}
+
+void CollectiveStream::run(const Task& task) { wait(post(task)); }
+
+void CollectiveStream::loop() {
+  use_device(device_);
+  for (;;) {
+    std::pair<Ticket, Task> next;
+    bool skip = false;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      next = std::move(queue_.front());
+      queue_.pop_front();
+      skip = error_ != nullptr;
+    }
+    if (!skip) {
+      if (channel_.probe) channel_.probe->running();
+      try {
+        next.second(channel_);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        error_ = std::current_exception();
+        failed_ = next.first;
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      finished_ = next.first + 1;
+    }
+    cv_.notify_all();
+  }
+}
+
+void CollectiveStream::allreduce_sum(torch::Tensor& tensor) {
+  run([&](Channel& c) { c.allreduce_sum(tensor)->waitAndThrow(); });
+}
+
+void CollectiveStream::broadcast(torch::Tensor& tensor, int root) {
+  run([&](Channel& c) { c.broadcast(tensor, root); });
+}
+
+std::vector<torch::Tensor> CollectiveStream::gather_to_rank0(const torch::Tensor& tensor) {
+  std::vector<torch::Tensor> out;
+  run([&](Channel& c) { out = c.gather_to_rank0(tensor); });
+  return out;
+}
+
+void CollectiveStream::broadcast_bytes(std::vector<char>& bytes) {
+  run([&](Channel& c) {
+    const torch::Device where = c.staging();
+    auto size = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64).to(where);
+    c.broadcast(size, 0);
+    const int64_t n = size.cpu().item<int64_t>();
+    auto data = rank_ == 0 ? torch::from_blob(bytes.data(), {n}, torch::kUInt8).to(where, false, /*copy=*/true)
+                           : torch::empty({n}, torch::TensorOptions(torch::kUInt8).device(where));
+    c.broadcast(data, 0);
+    if (rank_ != 0) {
+      const auto cpu = data.cpu();
+      bytes.assign(static_cast<const char*>(cpu.data_ptr()), static_cast<const char*>(cpu.data_ptr()) + n);
+    }
+  });
+}
+
+void CollectiveStream::barrier() {
+  run([](Channel& c) { c.barrier(); });
+}
+
+void CollectiveStream::watch(std::shared_ptr<StreamProbe> probe) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    probe_ = probe;
+  }
+  run([probe](Channel& c) { c.probe = probe; });
+}
+
+}  // namespace mnist_ddp

@@ -1,0 +1,214 @@
+#include "mnist_ddp/launch/launcher.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <thread>
+
+#include "mnist_ddp/base/files.hpp"
+#include "mnist_ddp/comm/store.hpp"
+#include "mnist_ddp/launch/restart_rounds.hpp"
+#include "mnist_ddp/launch/supervisor.hpp"
+#include "mnist_ddp/train/checkpoint.hpp"
+#include "mnist_ddp/train/data.hpp"
+#include "mnist_ddp/train/model.hpp"
+#include "mnist_ddp/train/resume.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+constexpr auto kGracePeriod = std::chrono::seconds(5);  // SIGTERM, then SIGKILL
+// For workers to finish their step and checkpoint it after a preemption
+// signal (Slurm's KillWait is 30 s by default, --signal=USR1@60 gives 60).
+constexpr auto kPreemptionGrace = std::chrono::seconds(60);
+
+class Launcher {
+ public:
+  Launcher(const Options& opts, const Placement& placement, const Environment& env,
+           const std::vector<std::string>& argv, const sigset_t& original_mask)
+      : opts_(opts), placement_(placement), env_(env), argv_(argv), supervisor_(original_mask) {}
+
+  int run() {
+    if (const int code = open_job_store(); code >= 0) return code;
+    RestartRounds rounds(*store_, opts_.node_rank, opts_.nnodes, timeout());
+    std::vector<std::string> argv = argv_;
+    double launched = env_.launch_time;
+    for (int round = 0;; ++round) {
+      start_workers(round, argv, launched);
+      const int code = supervise(rounds, round);
+      const bool again = code != 0 && !interrupted_ && code != 2 && round < opts_.max_restarts;
+      RestartRounds::Outcome next{again, failure_};
+      if (again) next = rounds.join(round + 1, failure_, [this] { return signalled(100); });
+      if (!next.start) {
+        failure_ = next.why;
+        if (!failure_.empty())
+          std::cerr << "mnist_ddp: error: " << failure_
+                    << (round == 0                     ? std::string()
+                        : round == opts_.max_restarts ? " (restarted " + std::to_string(round) + " times; no restart left)"
+                                                      : " (restarted " + std::to_string(round) + " times)")
+                    << std::endl;
+        if (code != 0)
+          rounds.refuse(round + 1, "node " + std::to_string(opts_.node_rank) + " stopped" +
+                                       (failure_.empty() ? std::string(" (interrupted)") : ": " + failure_));
+        return code;
+      }
+      announce_restart(next.why, round + 1);
+      // --resume auto starts from the beginning where node 0 has no checkpoint yet.
+      if (round == 0) argv.insert(argv.end(), {"--resume", "auto"});  // the last --resume wins
+      launched = unix_seconds();  // the restarted workers time their start-up from now
+    }
+  }
+
+ private:
+  std::chrono::milliseconds timeout() const {
+    return std::chrono::milliseconds(static_cast<int64_t>(opts_.timeout * 1000));
+  }
+
+  // The store outlives the workers, so the nodes can agree on a restart
+  // through it. Node 0 hosts it; another node waits for it up to --timeout,
+  // answering signals meanwhile. Returns -1 once it is open, else the exit code.
+  int open_job_store() {
+    if (opts_.node_rank == 0) {
+      store_ = open_store(opts_.master_addr, opts_.master_port, true, timeout());
+      return -1;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    for (;;) {
+      try {
+        store_ = open_store(opts_.master_addr, opts_.master_port, false, std::chrono::seconds(1));
+        return -1;
+      } catch (const std::runtime_error&) {
+        if (std::chrono::steady_clock::now() >= deadline)
+          throw std::runtime_error("could not reach node 0's store at " + opts_.master_addr + ":" +
+                                   std::to_string(opts_.master_port) + " within " +
+                                   std::to_string(static_cast<int64_t>(opts_.timeout)) +
+                                   " s: start mnist_ddp there with --node-rank 0");
+      }
+      if (const auto event = supervisor_.wait(std::chrono::milliseconds(0)); event.signal)
+        return on_signal(event.signal);
+    }
+  }
+
+  void start_workers(int round, const std::vector<std::string>& argv, double launched) {
+    for (int r = 0; r < placement_.local_workers; ++r) {
+      WorkerEnv w;
+      w.local_rank = r;
+      w.local_world_size = placement_.local_workers;
+      w.node_rank = opts_.node_rank;
+      w.nnodes = opts_.nnodes;
+      w.master_addr = opts_.master_addr;
+      w.master_port = static_cast<int>(store_->getPort());
+      w.round = round;
+      w.backend = placement_.backend;
+      w.device = device_of_local_rank(placement_, r);
+      w.error_report_fd = supervisor_.report_fd();
+      const auto env = worker_environment(w, env_.variables, static_cast<int>(std::thread::hardware_concurrency()),
+                                          launched);
+      supervisor_.start(r, "/proc/self/exe", argv, env);
+    }
+  }
+
+  // Supervises round `round` until every worker has exited, a worker fails,
+  // a signal arrives, or (with several nodes) another node asks for the
+  // next round. Returns the exit code it comes to.
+  int supervise(RestartRounds& rounds, int round) {
+    while (supervisor_.any_running()) {
+      const auto event = supervisor_.wait(opts_.nnodes > 1 ? std::chrono::milliseconds(250)
+                                                           : std::chrono::milliseconds(-1));
+      if (event.signal) return on_signal(event.signal);
+      if (event.failure) return on_failure(*event.failure, round);
+      if (auto cause = rounds.requested(round + 1)) {
+        // Another node lost a worker: this node's workers wait on it in
+        // vain, and start again with it.
+        failure_ = *cause;
+        supervisor_.stop(SIGKILL, std::chrono::seconds(0));
+        return 1;
+      }
+    }
+    return 0;
+  }
+
+  int on_failure(const Supervisor::Failure& failure, int round) {
+    failure_ = failure.report ? failure.report->message
+                              : "worker " + std::string(opts_.nnodes > 1 ? "local rank " : "rank ") +
+                                    std::to_string(failure.index) + " (pid " + std::to_string(failure.pid) + ") " +
+                                    describe_status(failure.status) + "; stopping the other workers";
+    // A restart follows unless the restarts are spent: the others' state is
+    // not needed (the restart resumes from the checkpoint), nor their
+    // seconds of finding out who is gone.
+    if (round < opts_.max_restarts)
+      supervisor_.stop(SIGKILL, std::chrono::seconds(0));
+    else
+      supervisor_.stop(SIGTERM, kGracePeriod);
+    return exit_code_of(failure.status);
+  }
+
+  // A signal to the launcher: preemption is passed on, anything else stops
+  // the workers. Returns the exit code.
+  int on_signal(int sig) {
+    interrupted_ = true;
+    if (isatty(STDERR_FILENO)) std::cerr << "\r\033[K";  // rank 0's progress line
+    if (sig == SIGTERM || sig == SIGUSR1) {  // preemption: keep the step the workers are on
+      std::cout << "mnist_ddp: " << (sig == SIGTERM ? "SIGTERM" : "SIGUSR1")
+                << " received: the workers checkpoint the step they are on, then stop" << std::endl;
+      supervisor_.stop(sig, kPreemptionGrace);
+    } else {
+      std::cout << "KeyboardInterrupt received. Terminating processes..." << std::endl;
+      supervisor_.stop(SIGTERM, kGracePeriod);
+    }
+    failure_.clear();
+    return 128 + sig;
+  }
+
+  // Whether a signal came within `ms` milliseconds (handled as on_signal does).
+  bool signalled(int ms) {
+    const auto event = supervisor_.wait(std::chrono::milliseconds(ms));
+    if (!event.signal) return false;
+    on_signal(event.signal);
+    return true;
+  }
+
+  void announce_restart(const std::string& cause, int restart) {
+    // Every node again, from the newest complete checkpoint (rank 0's, on node 0).
+    const std::string dir = checkpoint_dir(opts_);
+    const std::optional<Checkpoint> at = opts_.node_rank == 0 ? read_manifest(dir) : std::nullopt;
+    std::cout << "mnist_ddp: " << cause << "; restart " << restart << " of " << opts_.max_restarts
+              << (opts_.node_rank > 0 ? std::string(" from node 0's newest checkpoint")
+                  : at ? " from the checkpoint of step " + std::to_string(at->step) + " in " + dir
+                       : std::string(" from the start: no checkpoint yet"))
+              << std::endl;
+  }
+
+  const Options& opts_;
+  const Placement& placement_;
+  const Environment& env_;
+  const std::vector<std::string> argv_;
+  Supervisor supervisor_;
+  c10::intrusive_ptr<c10d::TCPStore> store_;
+  std::string failure_;       // why the workers last failed, for the user
+  bool interrupted_ = false;  // by a signal to the launcher: no restart
+};
+
+}  // namespace
+
+void preflight(const Options& opts) {
+  check_dataset_files(opts.data_dir, opts.dataset);
+  const bool existed = files::is_directory(opts.path);
+  files::make_run_directory(opts.path);
+  std::cout << "The folder '" << opts.path << "' " << (existed ? "already exists." : "was created.") << std::endl;
+  if (const std::string dir = resume_dir(opts); !dir.empty()) {
+    Net net;
+    load_state_dict(*net, load_checkpoint(dir).model, "module.", "checkpoint " + dir);
+  }
+}
+
+int run_launcher(const Options& opts, const Placement& placement, const Environment& env,
+                 const std::vector<std::string>& argv, const sigset_t& original_mask) {
+  Launcher launcher(opts, placement, env, argv, original_mask);
+  return launcher.run();
+}
+
+}  // namespace mnist_ddp

@@ -1,0 +1,238 @@
+// The documentation: every flag it shows exists, and every command it shows
+// runs, is run elsewhere, or says why it cannot run here.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "mnist_ddp/base/files.hpp"
+#include "test_util.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+// The pages a user reads: README.md, data/README.md and docs/*.md, as paths
+// relative to the source tree.
+std::vector<std::string> documentation_pages() {
+  std::vector<std::string> pages = {"README.md", "data/README.md"};
+  for (const auto& name : files::list_directory(std::string(MNIST_DDP_SOURCE_DIR) + "/docs"))
+    if (name.size() > 3 && name.substr(name.size() - 3) == ".md") pages.push_back("docs/" + name);
+  return pages;
+}
+
+std::string source_text(const std::string& relative) {
+  return test::read_text(std::string(MNIST_DDP_SOURCE_DIR) + "/" + relative);
+}
+
+// Every flag the README and docs/ show for mnist_ddp (its flags table, and
+// what follows the binary or its wrappers on a command line) is one that
+// `mnist_ddp --help` lists.
+TEST(Docs, EveryDocumentedFlagExists) {
+  int status = -1;
+  const std::string help = test::shell(std::string(MNIST_DDP_BINARY) + " --help", &status);
+  ASSERT_EQ(status, 0) << help;
+  const std::regex flag(R"(--[a-z][a-z0-9_-]*)");
+  auto listed = [&](const std::string& f) { return std::regex_search(help, std::regex(f + R"((?![a-z0-9_-]))")); };
+  int checked = 0;
+  for (const auto& page : documentation_pages()) {
+    std::istringstream lines(source_text(page));
+    int number = 0;
+    for (std::string line; std::getline(lines, line);) {
+      ++number;
+      std::string part;
+      if (line.rfind("| `--", 0) == 0) {  // a row of the flags table
+        part = line.substr(0, line.find('|', 1));
+      } else {
+        for (const std::string program : {"mnist_ddp ", "run_mnist_ddp.sh ", "slurm_mnist_ddp.sbatch "})
+          if (const size_t at = line.find(program); at != std::string::npos && part.empty())
+            part = line.substr(at + program.size());
+        part = part.substr(0, part.find_first_of("#|`"));
+      }
+      for (auto it = std::sregex_iterator(part.begin(), part.end(), flag); it != std::sregex_iterator(); ++it) {
+        ++checked;
+        EXPECT_TRUE(listed(it->str())) << page << ":" << number << ": " << it->str() << " is not in mnist_ddp --help";
+      }
+    }
+  }
+  EXPECT_GT(checked, 40) << "the flags table is gone from README.md";
+}
+
+// A fenced code block of a page: where it starts, the HTML comment on the
+// line before it, and its commands (lines joined at a trailing backslash,
+// a trailing "# comment" dropped).
+struct CodeBlock {
+  std::string where;
+  std::string marker;
+  std::vector<std::string> commands;
+};
+
+std::vector<CodeBlock> code_blocks(const std::string& page) {
+  std::vector<CodeBlock> blocks;
+  std::istringstream lines(source_text(page));
+  std::string previous, last_nonblank;
+  bool in_block = false;
+  int number = 0;
+  for (std::string line; std::getline(lines, line); previous = line) {
+    ++number;
+    if (line.rfind("```", 0) == 0) {
+      if (!in_block) {
+        std::smatch m;
+        const bool marked = std::regex_match(last_nonblank, m, std::regex(R"(<!-- (.*) -->)"));
+        blocks.push_back({page + ":" + std::to_string(number), marked ? m[1].str() : "", {}});
+      }
+      in_block = !in_block;
+      continue;
+    }
+    if (!line.empty()) last_nonblank = line;
+    if (in_block && !line.empty()) {
+      auto& commands = blocks.back().commands;
+      const bool continued = !commands.empty() && !commands.back().empty() && commands.back().back() == '\\';
+      if (continued) {
+        commands.back().pop_back();
+        commands.back() += line.substr(line.find_first_not_of(' '));
+      } else {
+        commands.push_back(line);
+      }
+    } else if (line.rfind("    ", 0) == 0 && previous.empty()) {
+      blocks.push_back({page + ":" + std::to_string(number), "an indented block: fence it, so that it can be marked", {}});
+    }
+  }
+  for (auto& block : blocks)
+    for (auto& command : block.commands) {
+      if (const size_t hash = command.find(" #"); hash != std::string::npos) command.erase(hash);
+      command.erase(command.find_last_not_of(' ') + 1);
+    }
+  return blocks;
+}
+
+// Every code block in README.md and docs/ says what checks it, in an HTML
+// comment on the line before it:
+//   <!-- check: run -->            this test runs each command, in order, in
+//                                  one directory, on a small data set and for
+//                                  a few steps (only ./build/mnist_ddp lines);
+//   <!-- check: ci -->             .ci/run runs each command (with arguments
+//                                  that keep it short);
+//   <!-- check: test A.B, C.D -->  those tests run the commands: they exist,
+//                                  and their sources use every flag shown;
+//   <!-- not runnable here: why --> or <!-- not a command: what -->.
+// And every script, page or source a page names exists.
+TEST(Docs, EveryDocumentedCommandRunsOrSaysWhyNot) {
+  std::map<std::string, std::string> test_sources;  // "Suite.Name" -> the file that defines it
+  for (const auto& name : files::list_directory(std::string(MNIST_DDP_SOURCE_DIR) + "/tests")) {
+    if (name.size() < 4 || name.substr(name.size() - 4) != ".cpp") continue;
+    const std::string text = source_text("tests/" + name);
+    const std::regex definition(R"(TEST(?:_F)?\((\w+), (\w+)\))");
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), definition); it != std::sregex_iterator(); ++it)
+      test_sources[(*it)[1].str() + "." + (*it)[2].str()] = text;
+  }
+  const std::string ci = source_text(".ci/run");
+  const std::regex flag(R"(--[a-z][a-z0-9_-]*)");
+  test::TempDir data;
+  test::write_synthetic_mnist(data.path(), 256, 64);
+  std::map<std::string, int> count;
+  for (const auto& page : documentation_pages()) {
+    for (const auto& block : code_blocks(page)) {
+      SCOPED_TRACE(block.where + " <!-- " + block.marker + " -->");
+      const std::string kind = block.marker.substr(0, block.marker.find(':'));
+      const std::string detail = block.marker.find(": ") == std::string::npos ? "" : block.marker.substr(block.marker.find(": ") + 2);
+      ++count[kind];
+      if (block.marker == "check: run") {
+        test::TempDir cwd;
+        for (size_t i = 0; i < block.commands.size(); ++i) {
+          const std::string& command = block.commands[i];
+          ASSERT_EQ(command.rfind("./build/mnist_ddp ", 0), 0u) << "check: run runs ./build/mnist_ddp lines only: " << command;
+          const std::string line = "cd '" + cwd.path() + "' && timeout -k 5 120 " + MNIST_DDP_BINARY +
+                                   command.substr(command.find(' ')) + " --data-dir '" + data.path() +
+                                   "' --max-steps " + std::to_string(2 * (i + 1)) + " 2>&1";
+          int status = -1;
+          const std::string out = test::shell(line, &status);
+          EXPECT_EQ(status, 0) << command << "\n" << out;
+          EXPECT_NE(out.find("Replicas: all"), std::string::npos) << command << "\n" << out;
+        }
+      } else if (block.marker == "check: ci") {
+        for (const auto& command : block.commands)
+          EXPECT_NE(ci.find(command), std::string::npos) << ".ci/run does not run: " << command;
+      } else if (kind == "check" && detail.rfind("test ", 0) == 0) {
+        std::string sources;
+        std::istringstream names(detail.substr(5));
+        for (std::string name; std::getline(names >> std::ws, name, ',');) {
+          ASSERT_TRUE(test_sources.count(name)) << "no test " << name;
+          sources += test_sources[name];
+        }
+        for (const auto& command : block.commands)
+          for (auto it = std::sregex_iterator(command.begin(), command.end(), flag); it != std::sregex_iterator(); ++it)
+            EXPECT_NE(sources.find(it->str()), std::string::npos) << it->str() << " of '" << command << "' is used by none of: " << detail;
+      } else if (kind == "not runnable here" || kind == "not a command") {
+        EXPECT_GE(detail.size(), 4u) << "say why";
+      } else {
+        ADD_FAILURE() << "a code block needs <!-- check: run|ci|test A.B -->, <!-- not runnable here: why --> "
+                         "or <!-- not a command: what --> on the line before it";
+      }
+    }
+    const std::string text = source_text(page);
+    const std::regex named(R"((?:scripts|tests|docs|data|src|include)/[A-Za-z0-9_./-]*\.(?:sh|py|sbatch|md|hpp|cpp|png)|run_mnist_ddp\.sh)");
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), named); it != std::sregex_iterator(); ++it)
+      EXPECT_TRUE(files::exists(std::string(MNIST_DDP_SOURCE_DIR) + "/" + it->str())) << page << " names " << it->str() << ", which is not there";
+  }
+  EXPECT_GE(count["check"], 5) << "the README's commands are no longer marked";
+}
+
+// The source tree as docs/design.md draws it: every file's includes of our
+// own headers run one way (main -> launch or worker -> train -> comm ->
+// base), no two files include each other's headers, one file reads the
+// environment, and no file grows past what a reader takes in at once.
+TEST(Layout, IncludesRunOneWayAndOneFileReadsTheEnvironment) {
+  const std::map<std::string, int> level = {{"base", 0}, {"comm", 1}, {"train", 2}, {"launch", 3}, {"", 3}};
+  // The room of a path below src/ or include/mnist_ddp/: its folder, "" at the top.
+  auto room = [](const std::string& path) {
+    const size_t slash = path.find('/');
+    return slash == std::string::npos ? std::string() : path.substr(0, slash);
+  };
+  std::vector<std::pair<std::string, std::string>> files;  // (path below its root, root)
+  for (const std::string root : {"src", "include/mnist_ddp"}) {
+    const std::string dir = std::string(MNIST_DDP_SOURCE_DIR) + "/" + root;
+    for (const auto& name : files::list_directory(dir)) {
+      if (files::is_directory(dir + "/" + name)) {
+        for (const auto& inner : files::list_directory(dir + "/" + name)) files.emplace_back(name + "/" + inner, root);
+      } else {
+        files.emplace_back(name, root);
+      }
+    }
+  }
+  ASSERT_GT(files.size(), 40u);
+  std::map<std::string, std::set<std::string>> includes;  // file (without extension) -> headers it includes
+  const std::regex ours(R"re(#include "mnist_ddp/([a-z_/]+)\.hpp")re");
+  for (const auto& [path, root] : files) {
+    const std::string text = source_text(root + "/" + path);
+    const std::string me = path.substr(0, path.rfind('.'));
+    const std::string my_room = room(path);
+    ASSERT_TRUE(level.count(my_room)) << root << "/" << path << " is in no room of docs/design.md";
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), ours); it != std::sregex_iterator(); ++it) {
+      const std::string header = (*it)[1].str();
+      includes[me].insert(header);
+      if (header == me) continue;
+      const std::string their_room = room(header);
+      ASSERT_TRUE(level.count(their_room)) << header;
+      EXPECT_LE(level.at(their_room), level.at(my_room)) << root << "/" << path << " includes " << header << ": upward";
+      // The launcher and the worker are siblings: only main() includes either.
+      if (their_room == "launch" || their_room == "")
+        EXPECT_TRUE(my_room == their_room && their_room == "launch" || me == "main")
+            << root << "/" << path << " includes " << header;
+    }
+    const size_t lines = static_cast<size_t>(std::count(text.begin(), text.end(), '\n'));
+    EXPECT_LE(lines, 460u) << root << "/" << path << " has " << lines << " lines";
+    const std::string code = std::regex_replace(text, std::regex("//[^\n]*"), "");  // comments may name it
+    const bool reads_environment = std::regex_search(code, std::regex(R"(\b(getenv\s*\(|environ\b))"));
+    EXPECT_EQ(reads_environment, path == "base/environment.cpp") << root << "/" << path;
+  }
+  for (const auto& [file, headers] : includes)
+    for (const auto& header : headers)
+      if (header != file && includes.count(header))
+        EXPECT_FALSE(includes.at(header).count(file)) << file << " and " << header << " include each other";
+}
+
+}  // namespace
+}  // namespace mnist_ddp
