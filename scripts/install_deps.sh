@@ -13,6 +13,7 @@ packages=(
   gnuplot-nox                     # scripts/plot_metrics.sh
   iproute2                        # tests: two nodes in two network namespaces
   slurm-wlm munge                 # tests: a one-node Slurm cluster (tests/slurm/cluster.sh)
+  openmpi-bin mpich               # tests: real mpirun and mpiexec (tests/launchers_test.cpp)
 )
 # Gloo's headers (no PyTorch install ships them) from the package that goes
 # with the LibTorch: Debian 13's CUDA LibTorch conflicts with libgloo-dev.

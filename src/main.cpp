@@ -28,9 +28,17 @@ int main(int argc, char** argv) {
       sigprocmask(SIG_SETMASK, &original_mask, nullptr);
       return run_worker(*opts, env, *worker);
     }
-    const Placement placement = plan_placement(*opts, count_visible_gpus(env.cuda_visible_devices));
-    preflight(*opts);
-    return run_launcher(*opts, placement, env, std::vector<std::string>(argv, argv + argc), original_mask);
+    // This node's launcher. What its environment decides (Kubeflow's PET_*)
+    // joins the command line, for it and for its workers.
+    std::vector<std::string> args(argv, argv + argc);
+    const Arguments decided = node_decisions(env);
+    for (const std::string& flag : command_line_of(decided)) args.push_back(flag);
+    const Options node = decided.empty() ? *opts : *parse_options(args, env);
+    if (const std::string overridden = overridden_flags(*opts, decided); !overridden.empty())
+      std::cerr << "mnist_ddp: " << overridden << std::endl;
+    const Placement placement = plan_placement(node, count_visible_gpus(env.cuda_visible_devices));
+    const auto lock = preflight(node);
+    return run_launcher(node, placement, env, args, original_mask);
   } catch (const UsageError& e) {
     std::cerr << "mnist_ddp: error: " << e.what() << std::endl;
     return 2;

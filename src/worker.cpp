@@ -6,6 +6,7 @@
 #include <gloo/common/error.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <iostream>
 #include <memory>
 
@@ -36,12 +37,29 @@ RunContext run_context(const Options& opts, const Environment& env, const Worker
   return run;
 }
 
+bool given(const Options& opts, const std::string& name) {
+  return std::find(opts.given.begin(), opts.given.end(), name) != opts.given.end();
+}
+
 // Where this worker trains: as our launcher planned it, or, started by
 // another launcher, as planned here for its local rank.
 std::pair<std::string, int> backend_and_device(const Options& opts, const Environment& env, const WorkerEnv& worker) {
   if (worker.ours()) return {worker.backend, worker.device};
   const Placement placement = plan_placement(opts, count_visible_gpus(env.cuda_visible_devices));
   return {placement.backend, device_of_local_rank(placement, worker.local_rank)};
+}
+
+
+// The one line a worker started by another launcher logs about a
+// --max-restarts given to it: restarts are that launcher's.
+std::string restarts_belong_to(const std::string& launcher, int max_restarts) {
+  const std::string advice =
+      launcher == "torchrun"  ? "torchrun's --max_restarts restarts the workers, which resume with --resume auto"
+      : launcher == "slurm"   ? "sbatch --requeue (scripts/slurm_mnist_ddp.sbatch) requeues a preempted job"
+      : launcher == "kubeflow" ? "the PyTorchJob's restartPolicy restarts the pods"
+                               : launcher + " restarts nothing: run it again with --resume auto";
+  return "--max-restarts " + std::to_string(max_restarts) + " is ignored: restarts belong to the launcher that "
+         "started the workers (" + launcher + "): " + advice;
 }
 
 }  // namespace
@@ -58,13 +76,17 @@ void configure_worker_process(int threads) {
   at::set_num_interop_threads(1);
 }
 
-int run_worker(const Options& opts, const Environment& env, const WorkerEnv& worker) {
-  const RunContext run = run_context(opts, env, worker);
+int run_worker(const Options& opts, const Environment& env, const WorkerEnv& launched) {
+  WorkerEnv worker = launched;
   int code = 1;
   std::unique_ptr<Job> job;
   std::string message;
   bool echo = false;  // the error only follows from another process's failure
+  std::unique_ptr<files::DirectoryLock> lock;  // this job's --path, under another launcher
   try {
+    resolve_store_address(worker, opts.master_addr, given(opts, "master_addr"), opts.master_port,
+                          given(opts, "master_port"));
+    const RunContext run = run_context(opts, env, worker);
     const auto [backend, device] = backend_and_device(opts, env, worker);
     configure_worker_process(threads_per_worker(worker.local_world_size, env.omp_num_threads));
     Arguments settings = shared_settings(run.arguments);
@@ -73,10 +95,14 @@ int run_worker(const Options& opts, const Environment& env, const WorkerEnv& wor
     settings.emplace_back("model", "Net with " + std::to_string(parameters) + " parameters");
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(opts.timeout * 1000));
     job = std::make_unique<Job>(join_job(worker, backend, cuda_device_or_cpu(device), timeout, settings));
-    if (job->rank == 0) files::make_run_directory(opts.path);
+    if (job->rank == 0) {
+      files::make_run_directory(opts.path);
+      if (!worker.ours()) lock = std::make_unique<files::DirectoryLock>(opts.path, "mnist_ddp rank 0 under " + worker.launcher);
+    }
     init_logging(opts.path, job->rank, env.dumb_terminal);
     if (const std::string overridden = overridden_flags(opts, launcher_decisions(worker)); !overridden.empty())
       spdlog::warn("{}", overridden);
+    if (!worker.ours() && opts.max_restarts > 0) spdlog::warn("{}", restarts_belong_to(worker.launcher, opts.max_restarts));
     const int preempted = Trainer(opts, run, *job).run();
     return preempted ? 128 + preempted : 0;
   } catch (const UsageError& e) {

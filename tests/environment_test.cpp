@@ -106,6 +106,111 @@ TEST(WorkerEnv, EachLauncherConvention) {
                    [] { EXPECT_THROW(worker_env_from_environment(), UsageError); });
 }
 
+// The environment each other launcher gives a process, read without
+// touching this process's own.
+TEST(WorkerEnv, MpiAndKubeflowConventions) {
+  // Open MPI's mpirun -np 4 on one host: the store on loopback, its port
+  // following the job (the same for every rank, another for the next job).
+  const std::vector<std::string> ompi = {"OMPI_COMM_WORLD_RANK=3", "OMPI_COMM_WORLD_SIZE=4",
+                                         "OMPI_COMM_WORLD_LOCAL_RANK=3", "OMPI_COMM_WORLD_LOCAL_SIZE=4",
+                                         "OMPI_MCA_ess_base_jobid=1586561025"};
+  auto w = launched_worker(environment_from(ompi));
+  ASSERT_TRUE(w);
+  EXPECT_EQ(w->launcher, "mpirun");
+  EXPECT_EQ(w->rank, 3);
+  EXPECT_EQ(w->world_size, 4);
+  EXPECT_EQ(w->local_rank, 3);
+  EXPECT_EQ(w->local_world_size, 4);
+  EXPECT_EQ(w->master_addr, "127.0.0.1");
+  EXPECT_GE(w->master_port, 20000);
+  EXPECT_LT(w->master_port, 30000);
+  auto other_job = ompi;
+  other_job.back() = "OMPI_MCA_ess_base_jobid=1586626561";
+  EXPECT_NE(launched_worker(environment_from(other_job))->master_port, w->master_port);
+  // Across two hosts the address comes from MASTER_ADDR or --master-addr.
+  const std::vector<std::string> two_hosts = {"OMPI_COMM_WORLD_RANK=2", "OMPI_COMM_WORLD_SIZE=4",
+                                              "OMPI_COMM_WORLD_LOCAL_RANK=0", "OMPI_COMM_WORLD_LOCAL_SIZE=2"};
+  w = launched_worker(environment_from(two_hosts));
+  EXPECT_EQ(w->node_rank, 1);
+  EXPECT_EQ(w->master_addr, "");
+  WorkerEnv flags = *w;
+  EXPECT_THROW(resolve_store_address(flags, "127.0.0.1", false, 0, false), UsageError);
+  resolve_store_address(flags, "node0", true, 0, false);
+  EXPECT_EQ(flags.master_addr, "node0");
+  EXPECT_EQ(flags.master_port, 29500);
+  auto with_addr = two_hosts;
+  with_addr.push_back("MASTER_ADDR=10.0.0.1");
+  with_addr.push_back("MASTER_PORT=4000");
+  w = launched_worker(environment_from(with_addr));
+  EXPECT_EQ(w->master_addr, "10.0.0.1");
+  EXPECT_EQ(w->master_port, 4000);
+
+  // MPICH's (hydra's) mpiexec -n 2 on one host: the port follows its proxy.
+  Environment hydra = environment_from({"PMI_RANK=1", "PMI_SIZE=2", "MPI_LOCALRANKID=1", "MPI_LOCALNRANKS=2"});
+  hydra.parent_pid = 4242;
+  w = launched_worker(hydra);
+  ASSERT_TRUE(w);
+  EXPECT_EQ(w->launcher, "mpiexec");
+  EXPECT_EQ(w->rank, 1);
+  EXPECT_EQ(w->local_rank, 1);
+  EXPECT_EQ(w->master_port, 20000 + 4242);
+
+  // A PyTorchJob pod started without torchrun: RANK is the pod's index.
+  const Environment pod = environment_from({"MASTER_ADDR=job-master-0", "MASTER_PORT=23456", "WORLD_SIZE=4",
+                                            "RANK=3", "PET_NNODES=4", "PET_NODE_RANK=3", "PET_NPROC_PER_NODE=1"});
+  w = launched_worker(pod);
+  ASSERT_TRUE(w);
+  EXPECT_EQ(w->launcher, "kubeflow");
+  EXPECT_EQ(w->rank, 3);
+  EXPECT_EQ(w->local_rank, 0) << "one process per pod, whatever its RANK";
+  EXPECT_EQ(w->local_world_size, 1);
+  EXPECT_EQ(w->node_rank, 3);
+  // With two processes per pod, this one launches them.
+  const Environment pod_of_two = environment_from({"MASTER_ADDR=job-master-0", "MASTER_PORT=23456", "WORLD_SIZE=4",
+                                                   "RANK=1", "PET_NNODES=2", "PET_NODE_RANK=1", "PET_NPROC_PER_NODE=2"});
+  EXPECT_FALSE(launched_worker(pod_of_two));
+  const Arguments decided = node_decisions(pod_of_two);
+  const std::map<std::string, std::string> d(decided.begin(), decided.end());
+  EXPECT_EQ(d.at("nnodes"), "2");
+  EXPECT_EQ(d.at("node_rank"), "1");
+  EXPECT_EQ(d.at("nproc"), "2");
+  EXPECT_EQ(d.at("master_addr"), "job-master-0");
+  EXPECT_EQ(d.at("master_port"), "23456");
+  // Kubeflow's Trainer: PET_* only.
+  const Arguments trainer = node_decisions(environment_from(
+      {"PET_NNODES=3", "PET_NODE_RANK=2", "PET_NPROC_PER_NODE=auto", "PET_MASTER_ADDR=a", "PET_MASTER_PORT=1234"}));
+  const std::map<std::string, std::string> t(trainer.begin(), trainer.end());
+  EXPECT_EQ(t.at("nnodes"), "3");
+  EXPECT_EQ(t.at("node_rank"), "2");
+  EXPECT_EQ(t.count("nproc"), 0u) << "auto: the placement decides";
+  EXPECT_EQ(t.at("master_port"), "1234");
+  // NODE_RANK (Ray, Lightning) counts where GROUP_RANK is absent.
+  EXPECT_EQ(launched_worker(environment_from({"RANK=1", "WORLD_SIZE=2", "LOCAL_RANK=0", "LOCAL_WORLD_SIZE=1",
+                                              "NODE_RANK=1", "MASTER_PORT=29500"}))->node_rank, 1);
+}
+
+// An environment that says this process is one of several, from a launcher
+// mnist_ddp does not read, is refused, naming the variables.
+TEST(WorkerEnv, AnUnknownLaunchersRanksAreRefused) {
+  for (const auto& vars : std::vector<std::vector<std::string>>{{"MV2_COMM_WORLD_RANK=1", "MV2_COMM_WORLD_SIZE=4"},
+                                                                {"JSM_NAMESPACE_RANK=0", "JSM_NAMESPACE_SIZE=2"},
+                                                                {"LOCAL_RANK=1", "LOCAL_WORLD_SIZE=2"},
+                                                                {"WORLD_SIZE=8"}}) {
+    const Environment env = environment_from(vars);
+    ASSERT_FALSE(launched_worker(env));
+    try {
+      node_decisions(env);
+      ADD_FAILURE() << vars[0] << " was not refused";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(vars[0]), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos);
+    }
+  }
+  // One of one, or nothing at all: our own launcher, with nothing decided.
+  EXPECT_TRUE(node_decisions(environment_from({"MV2_COMM_WORLD_RANK=0", "MV2_COMM_WORLD_SIZE=1"})).empty());
+  EXPECT_TRUE(node_decisions(environment_from({"PATH=/usr/bin"})).empty());
+}
+
 // Our launcher's worker environment, built without a fork, reads back as
 // the WorkerEnv it was built from; a parent's launcher variables never leak
 // through, and the user's thread count and log level stand.

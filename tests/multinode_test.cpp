@@ -12,6 +12,7 @@
 #include "mnist_ddp/train/checkpoint.hpp"
 #include "mnist_ddp/base/files.hpp"
 #include "mnist_ddp/base/options.hpp"
+#include "run_util.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -19,11 +20,11 @@ namespace {
 
 using namespace std::chrono_literals;
 using test::eventually;
+using test::exit_code;
 using test::Process;
 using test::read_text;
 using test::TempDir;
 
-int exit_code(int status) { return status == -1 ? -1 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
 
 class MultiNode : public ::testing::Test {
  protected:
@@ -190,32 +191,17 @@ TEST_F(MultiNode, ANodeThatDiesStopsTheOthersNamingTheLostRankAndTheNodeThatNeve
 }
 
 // Two machines for real: two network namespaces joined by a veth pair, each
-// with its own address, node 0 at 10.231.7.1 and node 1 at 10.231.7.2.
+// with its own address (test::TwoHosts).
 TEST_F(MultiNode, TwoNodesOverAVirtualNetwork) {
-  if (geteuid() != 0) GTEST_SKIP() << "network namespaces need root";
-  const std::string id = std::to_string(getpid() % 100000);
-  const std::string a = "mnddp_a" + id, b = "mnddp_b" + id;
-  auto sh = [](const std::string& command) { return std::system((command + " >/dev/null 2>&1").c_str()) == 0; };
-  if (!sh("command -v ip")) GTEST_SKIP() << "no 'ip' command (iproute2)";
-  const bool made = sh("ip netns add " + a) && sh("ip netns add " + b) &&
-                    sh("ip link add va" + id + " netns " + a + " type veth peer name vb" + id + " netns " + b) &&
-                    sh("ip -n " + a + " addr add 10.231.7.1/24 dev va" + id) &&
-                    sh("ip -n " + b + " addr add 10.231.7.2/24 dev vb" + id) &&
-                    sh("ip -n " + a + " link set va" + id + " up") && sh("ip -n " + b + " link set vb" + id + " up") &&
-                    sh("ip -n " + a + " link set lo up") && sh("ip -n " + b + " link set lo up");
-  struct Cleanup {
-    std::function<void()> f;
-    ~Cleanup() { f(); }
-  } cleanup{[&] { sh("ip netns del " + a); sh("ip netns del " + b); }};
-  if (!made) GTEST_SKIP() << "this machine does not allow creating network namespaces and a veth pair";
-
-  auto in = [&](const std::string& ns, std::vector<std::string> args) {
-    args.insert(args.begin(), {"ip", "netns", "exec", ns, MNIST_DDP_BINARY});
-    return args;
+  const test::TwoHosts hosts;
+  if (!hosts.why_not().empty()) GTEST_SKIP() << hosts.why_not();
+  auto in = [&](int host, std::vector<std::string> args) {
+    args.insert(args.begin(), MNIST_DDP_BINARY);
+    return hosts.in(host, args);
   };
-  const std::vector<std::string> addr = {"--master-addr", "10.231.7.1"};
-  Process node1(in(b, node(1, 1, dir_ / "node1", addr)), dir_ / "node1.txt", {}, /*command=*/true);
-  Process node0(in(a, node(0, 2, dir_ / "node0", addr)), dir_ / "node0.txt", {}, /*command=*/true);
+  const std::vector<std::string> addr = {"--master-addr", hosts.address(0)};
+  Process node1(in(1, node(1, 1, dir_ / "node1", addr)), dir_ / "node1.txt", {}, /*command=*/true);
+  Process node0(in(0, node(0, 2, dir_ / "node0", addr)), dir_ / "node0.txt", {}, /*command=*/true);
   EXPECT_EQ(exit_code(node0.wait(180s)), 0) << read_text(dir_ / "node0.txt");
   EXPECT_EQ(exit_code(node1.wait(30s)), 0) << read_text(dir_ / "node1.txt");
   const std::string log = read_text(dir_ / "node0/mnist_train.log");

@@ -16,6 +16,7 @@
 
 #include "mnist_ddp/train/checkpoint.hpp"
 #include "mnist_ddp/base/files.hpp"
+#include "run_util.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -23,33 +24,15 @@ namespace {
 
 using namespace std::chrono_literals;
 using test::eventually;
+using test::expect_same_end;
+using test::job;
+using test::last_line_with;
 using test::max_abs_diff;
 using test::Process;
+using test::python_with_torch;
 using test::read_text;
+using test::run;
 using test::TempDir;
-
-int run(const std::vector<std::string>& args, const std::string& output, std::chrono::seconds limit = 300s) {
-  Process p(args, output);
-  const int status = p.wait(limit);
-  return status == -1 ? -1 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-// 1024 training images on 2 workers: 16 steps an epoch.
-std::vector<std::string> job(const std::string& data, const std::string& path, const std::string& compression,
-                             std::vector<std::string> extra = {}) {
-  std::vector<std::string> args = {"--backend", "gloo", "--nproc", "2", "--data-dir", data, "--path", path,
-                                   "--compression", compression, "--start-powersgd-iter", "10", "--log-interval", "5"};
-  args.insert(args.end(), extra.begin(), extra.end());
-  return args;
-}
-
-std::string last_line_with(const std::string& text, const std::string& piece) {
-  std::string found;
-  std::istringstream lines(text);
-  for (std::string line; std::getline(lines, line);)
-    if (line.find(piece) != std::string::npos) found = line.substr(line.find("| ") + 2);
-  return found;
-}
 
 // metrics.csv's rows of one split without the images/s column: what an
 // exact resume reproduces.
@@ -63,18 +46,6 @@ std::vector<std::string> metrics_rows(const std::string& file, const std::string
     rows.push_back(line.substr(0, comma) + line.substr(line.find(',', comma)));
   }
   return rows;
-}
-
-// What an exact resume reproduces: the checkpoint's model, optimizer, RNG
-// and hook state, bit for bit, and the last test pass.
-void expect_same_end(const std::string& run, const std::string& straight) {
-  const Checkpoint got = load_checkpoint(run + "/checkpoint"), expected = load_checkpoint(straight + "/checkpoint");
-  EXPECT_EQ(got.step, expected.step);
-  EXPECT_EQ(max_abs_diff(got.model, expected.model), 0);
-  EXPECT_EQ(max_abs_diff(got.training, expected.training), 0);
-  const std::string last_test = last_line_with(read_text(straight + "/mnist_train.log"), "Test Epoch: ");
-  ASSERT_FALSE(last_test.empty());
-  EXPECT_EQ(last_line_with(read_text(run + "/mnist_train.log"), "Test Epoch: "), last_test);
 }
 
 // Runs that stop and go on end where the straight run ends, bit for bit:
@@ -208,13 +179,6 @@ TEST(Resume, AKillAtEachPointOfCheckpointingLeavesAResumableOne) {
   more.insert(more.end(), {"--max-steps", std::to_string(c.step + 2)});
   EXPECT_EQ(run(more, dir / "out.txt"), 0) << read_text(dir / "out.txt");
   EXPECT_EQ(load_checkpoint(dir / "out/checkpoint").step, c.step + 2);
-}
-
-// A Python with torch: Debian's python3-torch runs under /usr/bin/python3.
-std::string python_with_torch() {
-  for (const std::string python : {"/usr/bin/python3", "python3"})
-    if (std::system((python + " -c 'import torch' >/dev/null 2>&1").c_str()) == 0) return python;
-  return "";
 }
 
 // PyTorch's own torchrun (Debian's python3-torch, installed by

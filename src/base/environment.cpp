@@ -3,10 +3,13 @@
 #include <unistd.h>  // environ
 
 #include <algorithm>
+#include <array>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <set>
 #include <sstream>
 
@@ -23,7 +26,7 @@ const double g_process_start = unix_seconds();
 const std::set<std::string> kLauncherVariables = {
     "RANK",          "LOCAL_RANK",     "WORLD_SIZE",         "LOCAL_WORLD_SIZE",      "GROUP_RANK",
     "MASTER_ADDR",   "MASTER_PORT",    "MNIST_DDP_NNODES",   "MNIST_DDP_ROUND",       "MNIST_DDP_ERROR_FD",
-    "MNIST_DDP_LAUNCH_TIME", "MNIST_DDP_BACKEND", "MNIST_DDP_DEVICE"};
+    "MNIST_DDP_LAUNCH_TIME", "MNIST_DDP_BACKEND", "MNIST_DDP_DEVICE", "NODE_RANK"};
 
 // Reads integers out of an Environment, naming the variable when one is malformed.
 class Reader {
@@ -73,7 +76,9 @@ std::optional<std::string> Environment::get(const std::string& name) const {
 Environment read_environment() {
   std::vector<std::string> variables;
   for (char** e = environ; *e; ++e) variables.emplace_back(*e);
-  return environment_from(variables, g_process_start);
+  Environment env = environment_from(variables, g_process_start);
+  env.parent_pid = static_cast<int>(getppid());
+  return env;
 }
 
 Environment environment_from(const std::vector<std::string>& variables, double process_start) {
@@ -111,50 +116,125 @@ std::string first_slurm_host(const std::string& nodelist) {
   return first.substr(0, open) + head + (close == std::string::npos ? "" : first.substr(close + 1));
 }
 
+namespace {
+
+// Each launcher's convention, as a WorkerEnv. The store's host is the
+// first host of the job unless MASTER_ADDR says.
+
+WorkerEnv ours(const Reader& env) {
+  WorkerEnv w;
+  w.launcher = "mnist_ddp";
+  w.nnodes = env.integer("MNIST_DDP_NNODES", std::nullopt);
+  w.node_rank = env.integer("GROUP_RANK", std::nullopt);
+  w.local_rank = env.integer("LOCAL_RANK", std::nullopt);
+  w.local_world_size = env.integer("LOCAL_WORLD_SIZE", std::nullopt);
+  w.master_addr = env.text("MASTER_ADDR", "127.0.0.1");
+  w.master_port = env.integer("MASTER_PORT", std::nullopt);
+  w.round = env.integer("MNIST_DDP_ROUND", std::nullopt);
+  w.restart = w.round;
+  w.backend = env.text("MNIST_DDP_BACKEND", "gloo");
+  w.device = env.has("MNIST_DDP_DEVICE") ? env.integer("MNIST_DDP_DEVICE", std::nullopt) : -1;
+  return w;
+}
+
+// torchrun, a Kubeflow PyTorchJob pod started without it, or RANK and
+// WORLD_SIZE set by hand.
+WorkerEnv torchrun(const Reader& env) {
+  WorkerEnv w;
+  w.rank = env.integer("RANK", std::nullopt);
+  w.world_size = env.integer("WORLD_SIZE", std::nullopt);
+  w.node_rank = env.integer("GROUP_RANK", env.integer("NODE_RANK", 0));
+  if (!env.has("LOCAL_RANK") && env.has("PET_NNODES")) {
+    // Kubeflow's training-operator sets no LOCAL_RANK: RANK is the pod's
+    // index, and a pod that runs mnist_ddp directly is one process.
+    w.launcher = "kubeflow";
+    w.local_rank = 0;
+    w.local_world_size = 1;
+    w.node_rank = env.integer("PET_NODE_RANK", w.rank);
+    w.nnodes = env.integer("PET_NNODES", std::nullopt);
+  } else {
+    w.launcher = "torchrun";
+    w.local_rank = env.integer("LOCAL_RANK", w.rank);
+    w.local_world_size = env.integer("LOCAL_WORLD_SIZE", w.world_size);
+  }
+  w.master_addr = env.text("MASTER_ADDR", "127.0.0.1");
+  w.master_port = env.integer("MASTER_PORT", std::nullopt);
+  w.agent_store = env.text("TORCHELASTIC_USE_AGENT_STORE") == "True";
+  w.restart = env.integer("TORCHELASTIC_RESTART_COUNT", 0);
+  return w;
+}
+
+WorkerEnv slurm(const Reader& env) {
+  WorkerEnv w;
+  w.launcher = "slurm";
+  w.rank = env.integer("SLURM_PROCID", std::nullopt);
+  w.world_size = env.integer("SLURM_NTASKS", std::nullopt);
+  w.local_rank = env.integer("SLURM_LOCALID", 0);
+  const std::string per_node = env.text("SLURM_TASKS_PER_NODE");  // e.g. "4(x2),2"
+  w.local_world_size = per_node.empty() ? 1 : std::max(1, std::atoi(per_node.c_str()));
+  w.local_rank = std::min(w.local_rank, w.local_world_size - 1);
+  w.node_rank = env.integer("SLURM_NODEID", 0);
+  const std::string nodes = env.text("SLURM_JOB_NODELIST", env.text("SLURM_NODELIST"));
+  w.master_addr = env.text("MASTER_ADDR", nodes.empty() ? "" : first_slurm_host(nodes));
+  if (w.master_addr.empty())
+    throw UsageError("environment: Slurm gives no SLURM_JOB_NODELIST; set MASTER_ADDR to node 0's address");
+  // A port of the job's own, so that two jobs on one node do not meet:
+  // one of 20000-29999 that follows SLURM_JOB_ID (a requeued job keeps
+  // its id, and its port).
+  w.master_port = env.integer("MASTER_PORT", 20000 + env.integer("SLURM_JOB_ID", 0) % 10000);
+  w.restart = env.integer("SLURM_RESTART_COUNT", 0);  // a requeued job's
+  return w;
+}
+
+// A launcher's job id as a positive number that follows it (0: none).
+int job_number(const std::string& id) {
+  if (id.empty()) return 0;
+  return static_cast<int>(std::hash<std::string>{}(id) % 1000000) + 1;
+}
+
+// mpirun (Open MPI) or mpiexec (hydra): the variables of its rank, world
+// size, local rank and local size, and a number that follows the job (0:
+// none), from which the store's port follows unless MASTER_PORT says.
+WorkerEnv mpi(const Reader& env, const std::string& launcher, const std::array<const char*, 4>& names, int job) {
+  WorkerEnv w;
+  w.launcher = launcher;
+  w.rank = env.integer(names[0], std::nullopt);
+  w.world_size = env.integer(names[1], std::nullopt);
+  w.local_rank = env.integer(names[2], 0);
+  w.local_world_size = std::max(1, env.integer(names[3], 1));
+  // Ranks fill a node before the next (mpirun's default mapping by slot).
+  w.node_rank = (w.rank - std::min(w.rank, w.local_rank)) / w.local_world_size;
+  const bool one_host = w.world_size == w.local_world_size;
+  w.master_addr = env.text("MASTER_ADDR", one_host ? "127.0.0.1" : "");
+  w.master_port = env.integer("MASTER_PORT", job > 0 ? 20000 + job % 10000 : 0);
+  if (w.master_port == 0 && env.has("MASTER_PORT")) w.master_port = -1;  // given as 0: refused below
+  return w;
+}
+
+}  // namespace
+
 std::optional<WorkerEnv> launched_worker(const Environment& environment) {
   const Reader env(environment);
   WorkerEnv w;
-  if (env.has("RANK") && env.has("WORLD_SIZE")) {  // torchrun, or set by hand
-    w.launcher = "torchrun";
-    w.rank = env.integer("RANK", std::nullopt);
-    w.world_size = env.integer("WORLD_SIZE", std::nullopt);
-    w.local_rank = env.integer("LOCAL_RANK", w.rank);
-    w.local_world_size = env.integer("LOCAL_WORLD_SIZE", w.world_size);
-    w.node_rank = env.integer("GROUP_RANK", 0);
-    w.master_addr = env.text("MASTER_ADDR", "127.0.0.1");
-    w.master_port = env.integer("MASTER_PORT", std::nullopt);
-    w.agent_store = env.text("TORCHELASTIC_USE_AGENT_STORE") == "True";
-    w.restart = env.integer("TORCHELASTIC_RESTART_COUNT", 0);
+  if (env.has("MNIST_DDP_NNODES")) {
+    w = ours(env);
+  } else if (env.has("RANK") && env.has("WORLD_SIZE")) {
+    // A PyTorchJob pod of several processes, started without torchrun:
+    // this process launches them (node_decisions()).
+    const std::string per_pod = env.text("PET_NPROC_PER_NODE", "1");
+    if (!env.has("LOCAL_RANK") && env.has("PET_NNODES") && per_pod != "1") return std::nullopt;
+    w = torchrun(env);
   } else if (env.has("SLURM_PROCID") && env.has("SLURM_NTASKS")) {  // srun
-    w.launcher = "slurm";
-    w.rank = env.integer("SLURM_PROCID", std::nullopt);
-    w.world_size = env.integer("SLURM_NTASKS", std::nullopt);
-    w.local_rank = env.integer("SLURM_LOCALID", 0);
-    const std::string per_node = env.text("SLURM_TASKS_PER_NODE");  // e.g. "4(x2),2"
-    w.local_world_size = per_node.empty() ? 1 : std::max(1, std::atoi(per_node.c_str()));
-    w.local_rank = std::min(w.local_rank, w.local_world_size - 1);
-    w.node_rank = env.integer("SLURM_NODEID", 0);
-    const std::string nodes = env.text("SLURM_JOB_NODELIST", env.text("SLURM_NODELIST"));
-    w.master_addr = env.text("MASTER_ADDR", nodes.empty() ? "" : first_slurm_host(nodes));
-    if (w.master_addr.empty())
-      throw UsageError("environment: Slurm gives no SLURM_JOB_NODELIST; set MASTER_ADDR to node 0's address");
-    // A port of the job's own, so that two jobs on one node do not meet:
-    // one of 20000-29999 that follows SLURM_JOB_ID (a requeued job keeps
-    // its id, and its port).
-    w.master_port = env.integer("MASTER_PORT", 20000 + env.integer("SLURM_JOB_ID", 0) % 10000);
-    w.restart = env.integer("SLURM_RESTART_COUNT", 0);  // a requeued job's
-  } else if (env.has("MNIST_DDP_NNODES")) {  // our launcher
-    w.launcher = "mnist_ddp";
-    w.nnodes = env.integer("MNIST_DDP_NNODES", std::nullopt);
-    w.node_rank = env.integer("GROUP_RANK", std::nullopt);
-    w.local_rank = env.integer("LOCAL_RANK", std::nullopt);
-    w.local_world_size = env.integer("LOCAL_WORLD_SIZE", std::nullopt);
-    w.master_addr = env.text("MASTER_ADDR", "127.0.0.1");
-    w.master_port = env.integer("MASTER_PORT", std::nullopt);
-    w.round = env.integer("MNIST_DDP_ROUND", std::nullopt);
-    w.restart = w.round;
-    w.backend = env.text("MNIST_DDP_BACKEND", "gloo");
-    w.device = env.has("MNIST_DDP_DEVICE") ? env.integer("MNIST_DDP_DEVICE", std::nullopt) : -1;
+    w = slurm(env);
+  } else if (env.has("OMPI_COMM_WORLD_RANK") && env.has("OMPI_COMM_WORLD_SIZE")) {
+    w = mpi(env, "mpirun",
+            {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
+            job_number(env.text("OMPI_MCA_ess_base_jobid")));
+  } else if (env.has("PMI_RANK") && env.has("PMI_SIZE")) {
+    const bool one_host = env.integer("MPI_LOCALNRANKS", 1) == env.integer("PMI_SIZE", std::nullopt);
+    // Hydra names no job; on one host its proxy, every rank's parent, does.
+    w = mpi(env, "mpiexec", {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+            one_host ? environment.parent_pid : 0);
   } else {
     return std::nullopt;
   }
@@ -165,10 +245,66 @@ std::optional<WorkerEnv> launched_worker(const Environment& environment) {
   if (w.local_rank >= w.local_world_size)
     throw UsageError("environment: LOCAL_RANK=" + std::to_string(w.local_rank) + " is not below LOCAL_WORLD_SIZE=" +
                      std::to_string(w.local_world_size));
-  if (w.master_port == 0)
+  if (w.master_port == 0 && w.launcher != "mpirun" && w.launcher != "mpiexec")
     throw UsageError("environment: MASTER_PORT=0: every rank must know the store's port, so it cannot be picked "
                      "at random; set a fixed one, or unset it (under Slurm it then follows SLURM_JOB_ID)");
+  if (w.master_port < 0)
+    throw UsageError("environment: MASTER_PORT=0: every rank must know the store's port, so it cannot be picked "
+                     "at random; set a fixed one, or unset it (under mpirun it then follows the job)");
   return w;
+}
+
+void resolve_store_address(WorkerEnv& w, const std::string& master_addr, bool addr_given, int master_port,
+                           bool port_given) {
+  if (w.master_addr.empty()) {
+    if (!addr_given)
+      throw UsageError("environment: the " + w.launcher + " job spans several hosts, so every rank must know node "
+                       "0's address: pass MASTER_ADDR to every rank (mpirun -x MASTER_ADDR=<node 0>) or give "
+                       "--master-addr <node 0>");
+    w.master_addr = master_addr;
+  }
+  if (w.master_port == 0) w.master_port = port_given && master_port > 0 ? master_port : 29500;
+}
+
+std::vector<std::pair<std::string, std::string>> node_decisions(const Environment& environment) {
+  const Reader env(environment);
+  std::vector<std::pair<std::string, std::string>> decided;
+  if (env.has("PET_NNODES")) {  // Kubeflow: Trainer v2, or a PyTorchJob pod launching its processes
+    decided.emplace_back("nnodes", std::to_string(env.integer("PET_NNODES", std::nullopt)));
+    decided.emplace_back("node_rank", std::to_string(env.integer("PET_NODE_RANK", env.integer("RANK", 0))));
+    const std::string nproc = env.text("PET_NPROC_PER_NODE");  // a number, or torchrun's auto, gpu, cpu
+    if (!nproc.empty() && std::all_of(nproc.begin(), nproc.end(), ::isdigit))
+      decided.emplace_back("nproc", std::to_string(env.integer("PET_NPROC_PER_NODE", std::nullopt)));
+    const std::string addr = env.text("PET_MASTER_ADDR", env.text("MASTER_ADDR"));
+    if (!addr.empty()) decided.emplace_back("master_addr", addr);
+    const char* port = env.has("PET_MASTER_PORT") ? "PET_MASTER_PORT" : "MASTER_PORT";
+    if (env.has(port)) decided.emplace_back("master_port", std::to_string(env.integer(port, std::nullopt)));
+    return decided;
+  }
+  // Any other sign of being one of several processes: a rank or a size
+  // above 1 that nothing here reads. Each process would train alone.
+  std::string signs;
+  for (const std::string& kv : environment.variables) {
+    const std::string key = kv.substr(0, kv.find('='));
+    const size_t at = key.rfind("RANK");
+    if (at == std::string::npos || at + 4 != key.size()) continue;
+    const std::string prefix = key.substr(0, at);
+    for (const char* size : {"SIZE", "WORLD_SIZE", "NTASKS", "NPROCS", "NUM_PROCS", "NRANKS"}) {
+      const auto value = environment.get(prefix + size);
+      if (value && std::atoi(value->c_str()) > 1)
+        signs += (signs.empty() ? "" : ", ") + kv + ", " + prefix + size + "=" + *value;
+    }
+  }
+  // RANK or WORLD_SIZE without the other (both: launched_worker()).
+  if (env.has("RANK") != env.has("WORLD_SIZE") &&
+      (std::atoi(env.text("RANK", "0").c_str()) > 0 || std::atoi(env.text("WORLD_SIZE", "0").c_str()) > 1))
+    signs += (signs.empty() ? "" : ", ") + (env.has("RANK") ? "RANK=" + env.text("RANK") : "WORLD_SIZE=" + env.text("WORLD_SIZE"));
+  if (!signs.empty())
+    throw UsageError("environment: " + signs + " say this process is one of several that a launcher started, "
+                     "but mnist_ddp does not know that launcher, and each process would train a job of its own; "
+                     "start one mnist_ddp per machine (it launches its own workers: --nnodes, --node-rank), or "
+                     "use torchrun, srun, mpirun or mpiexec");
+  return decided;
 }
 
 std::vector<std::pair<std::string, std::string>> launcher_decisions(const WorkerEnv& env) {

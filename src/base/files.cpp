@@ -1,6 +1,8 @@
 #include "mnist_ddp/base/files.hpp"
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -43,6 +45,34 @@ void make_run_directory(const std::string& path) {
   }
   if (access(path.c_str(), W_OK | X_OK) != 0)
     throw std::runtime_error("--path " + path + ": the directory is not writable");
+}
+
+DirectoryLock::DirectoryLock(const std::string& dir, const std::string& holder) {
+  const std::string file = join(dir, ".lock");
+  fd_ = open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd_ < 0) throw std::runtime_error("--path " + dir + ": cannot open " + file + ": " + std::strerror(errno));
+  if (flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    char said[256] = {};
+    const ssize_t n = pread(fd_, said, sizeof said - 1, 0);
+    close(fd_);
+    fd_ = -1;
+    std::string who(said, n > 0 ? static_cast<size_t>(n) : 0);
+    who = who.substr(0, who.find('\n'));
+    if (error != EWOULDBLOCK)
+      throw std::runtime_error("--path " + dir + ": cannot lock " + file + ": " + std::strerror(error));
+    throw std::runtime_error("--path " + dir + " is in use by another job (" +
+                             (who.empty() ? std::string("its holder is starting") : who) +
+                             "): give this one a --path of its own, or wait for that one to end");
+  }
+  const std::string me = holder + ", pid " + std::to_string(getpid()) + "\n";
+  if (ftruncate(fd_, 0) != 0 || pwrite(fd_, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
+    // The lock holds all the same; only the name of its holder is missing.
+  }
+}
+
+DirectoryLock::~DirectoryLock() {
+  if (fd_ >= 0) close(fd_);  // and with it the lock
 }
 
 std::vector<std::string> list_directory(const std::string& dir) {

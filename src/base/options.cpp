@@ -218,6 +218,23 @@ std::optional<Options> parse_options(int argc, const char* const* argv) {
   return parse_options(argc, argv, Environment{});
 }
 
+std::optional<Options> parse_options(const std::vector<std::string>& argv, const Environment& env) {
+  std::vector<const char*> pointers;
+  for (const auto& a : argv) pointers.push_back(a.c_str());
+  return parse_options(static_cast<int>(pointers.size()), pointers.data(), env);
+}
+
+std::vector<std::string> command_line_of(const Arguments& arguments) {
+  std::vector<std::string> out;
+  for (const auto& [name, value] : arguments) {
+    std::string flag = "--" + name;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    out.push_back(flag);
+    out.push_back(value);
+  }
+  return out;
+}
+
 Arguments arguments_in_effect(const Options& opts, const Arguments& decided) {
   Arguments out = opts.arguments;
   for (const auto& [name, value] : decided)
@@ -232,9 +249,8 @@ std::string overridden_flags(const Options& opts, const Arguments& decided) {
     if (std::find(opts.given.begin(), opts.given.end(), name) == opts.given.end()) continue;
     for (const auto& [arg, old] : opts.arguments) {
       if (arg != name || old == value) continue;
-      std::string flag = "--" + name;
-      std::replace(flag.begin(), flag.end(), '_', '-');
-      overridden += (overridden.empty() ? "" : ", ") + flag + " " + value + " (given " + old + ")";
+      overridden += (overridden.empty() ? "" : ", ") + command_line_of({{name, value}})[0] + " " + value + " (given " +
+                    old + ")";
     }
   }
   return overridden.empty() ? "" : "the launcher's environment overrides the command line: " + overridden;

@@ -194,15 +194,18 @@ class Launcher {
 
 }  // namespace
 
-void preflight(const Options& opts) {
+std::unique_ptr<files::DirectoryLock> preflight(const Options& opts) {
   check_dataset_files(opts.data_dir, opts.dataset);
   const bool existed = files::is_directory(opts.path);
   files::make_run_directory(opts.path);
+  auto lock = std::make_unique<files::DirectoryLock>(opts.path, "mnist_ddp launcher of node " +
+                                                                    std::to_string(opts.node_rank));
   std::cout << "The folder '" << opts.path << "' " << (existed ? "already exists." : "was created.") << std::endl;
   if (const std::string dir = resume_dir(opts); !dir.empty()) {
     Net net;
     load_state_dict(*net, load_checkpoint(dir).model, "module.", "checkpoint " + dir);
   }
+  return lock;
 }
 
 int run_launcher(const Options& opts, const Placement& placement, const Environment& env,

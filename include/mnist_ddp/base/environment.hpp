@@ -26,13 +26,18 @@ namespace mnist_ddp {
 // give it (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 // MASTER_PORT, and RANK and WORLD_SIZE from torchrun or Slurm).
 struct WorkerEnv {
-  std::string launcher;  // "mnist_ddp" (ours), "torchrun" (or RANK set by hand), "slurm"
+  // Who started it: "mnist_ddp" (ours), "torchrun" (or RANK set by hand),
+  // "slurm", "mpirun" (Open MPI), "mpiexec" (MPICH, Intel MPI: hydra),
+  // "kubeflow" (a PyTorchJob's pod started without torchrun).
+  std::string launcher;
   int rank = -1;         // -1: agreed through the store (comm/rendezvous.hpp)
   int world_size = -1;   // likewise
   int local_rank = 0;
   int local_world_size = 1;
   int node_rank = 0;
   int nnodes = 1;
+  // The store's address and port. Under mpirun they may be left to the
+  // flags: "" and 0 (resolve_store_address()).
   std::string master_addr;
   int master_port = 0;
   // Set by our launcher, which hosts the store on node 0 and counts its
@@ -72,6 +77,7 @@ struct Environment {
   // When the job was launched, in seconds since the Unix epoch: our
   // launcher's MNIST_DDP_LAUNCH_TIME, else when this process started.
   double launch_time = 0;
+  int parent_pid = 0;               // this process's parent: an MPI job's proxy, one per node
   bool dumb_terminal = false;       // TERM=dumb: no progress line
   bool libtorch_log_level = false;  // GLOG_minloglevel is set: LibTorch's logs are the user's to tune
   Faults faults;
@@ -86,15 +92,42 @@ Environment read_environment();
 // started at `process_start` (seconds since the Unix epoch). Pure.
 Environment environment_from(const std::vector<std::string>& variables, double process_start = 0);
 
-// The worker this process is when a launcher started it as one: torchrun's
-// variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
-// TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RESTART_COUNT), Slurm's
-// (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; node 0 is the first host of
-// SLURM_JOB_NODELIST unless MASTER_ADDR says), or our launcher's, which
-// leaves RANK and WORLD_SIZE to be agreed through the store. nullopt when
-// this process should be the launcher. Throws UsageError for a malformed
-// environment.
+// The worker this process is when a launcher started it as one:
+// - torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+//   GROUP_RANK or NODE_RANK, TORCHELASTIC_USE_AGENT_STORE,
+//   TORCHELASTIC_RESTART_COUNT); RANK and WORLD_SIZE set by hand without
+//   LOCAL_RANK mean one host;
+// - a Kubeflow PyTorchJob pod started without torchrun (RANK, WORLD_SIZE,
+//   PET_*, no LOCAL_RANK), one process per pod: local rank 0;
+// - Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; node 0 is the
+//   first host of SLURM_JOB_NODELIST unless MASTER_ADDR says);
+// - Open MPI's mpirun (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK,
+//   _LOCAL_SIZE) and MPICH's or Intel MPI's mpiexec (PMI_RANK, PMI_SIZE,
+//   MPI_LOCALRANKID, MPI_LOCALNRANKS): the store at MASTER_ADDR (127.0.0.1
+//   on one node) and MASTER_PORT, else one that follows the MPI job (Open
+//   MPI's job id; on one node, hydra's proxy), else the flags';
+// - or our launcher's, which leaves RANK and WORLD_SIZE to be agreed
+//   through the store.
+// nullopt when this process should be a launcher of ours. Throws
+// UsageError for a malformed environment.
 std::optional<WorkerEnv> launched_worker(const Environment& env);
+
+// For a process that is to be our launcher (launched_worker() said
+// nullopt): what the environment decides for this node in place of flags,
+// as (argument name, value). Kubeflow's Trainer (PET_NNODES, PET_NODE_RANK,
+// PET_NPROC_PER_NODE, PET_MASTER_ADDR, PET_MASTER_PORT), and a PyTorchJob
+// pod of several processes started without torchrun, make it this node's
+// launcher. Throws UsageError, naming the variables, when the environment
+// says this process is one of several that a launcher mnist_ddp does not
+// read started: each would train a job of its own.
+std::vector<std::pair<std::string, std::string>> node_decisions(const Environment& env);
+
+// The store's address and port of a worker whose launcher left them to the
+// flags (mpirun without MASTER_ADDR or MASTER_PORT): --master-addr when
+// given, 127.0.0.1 when the job is on one host; --master-port when given,
+// else 29500. Throws UsageError for a job across hosts with no address.
+void resolve_store_address(WorkerEnv& env, const std::string& master_addr, bool addr_given, int master_port,
+                           bool port_given);
 
 // What a launcher other than ours decided that a flag would otherwise say,
 // as (argument name, value): the store's address and port, the node's

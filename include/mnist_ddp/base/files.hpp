@@ -26,6 +26,24 @@ void make_directories(const std::string& path);
 // "--path <path>: <why>".
 void make_run_directory(const std::string& path);
 
+// One job's hold on its --path: an exclusive lock on `<dir>/.lock`, taken
+// without waiting and held while the object lives; the kernel drops it
+// when the holder dies, so a crashed job never blocks the next. The file
+// says who holds it.
+class DirectoryLock {
+ public:
+  // Takes the lock for `holder` ("mnist_ddp launcher"). Throws
+  // std::runtime_error "--path <dir> is in use by ... (pid N): ..." when
+  // another process holds it, or naming why the file cannot be made.
+  DirectoryLock(const std::string& dir, const std::string& holder);
+  ~DirectoryLock();
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 // The names in `dir`, without "." and "..", in no particular order; empty
 // when it cannot be read.
 std::vector<std::string> list_directory(const std::string& dir);

@@ -87,6 +87,10 @@ struct Options {
 // environment decides instead is a value of its own (arguments_in_effect).
 std::optional<Options> parse_options(int argc, const char* const* argv, const Environment& env);
 std::optional<Options> parse_options(int argc, const char* const* argv);  // with an empty environment
+std::optional<Options> parse_options(const std::vector<std::string>& argv, const Environment& env);
+
+// `arguments` as flags: {"--nnodes", "2", "--node-rank", "1"}.
+std::vector<std::string> command_line_of(const Arguments& arguments);
 
 // `opts.arguments` with the values a launcher's environment `decided`
 // (environment.hpp, launcher_decisions) in place: what the run uses, as the

@@ -16,20 +16,23 @@
 
 #include <signal.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "mnist_ddp/base/environment.hpp"
+#include "mnist_ddp/base/files.hpp"
 #include "mnist_ddp/base/options.hpp"
 #include "mnist_ddp/base/placement.hpp"
 
 namespace mnist_ddp {
 
 // What the launcher checks before it starts any worker, so that a missing
-// dataset, an unusable --path or a broken checkpoint is one message, not one
-// per worker. Creates --path and says so. Throws DataError, CheckpointError
-// or std::runtime_error.
-void preflight(const Options& opts);
+// dataset, an unusable or busy --path or a broken checkpoint is one message,
+// not one per worker. Creates --path, says so, and takes it for this job:
+// the returned lock is held while it lives. Throws DataError,
+// CheckpointError or std::runtime_error.
+std::unique_ptr<files::DirectoryLock> preflight(const Options& opts);
 
 // Runs the launcher on the calling thread until every worker has exited;
 // block_launcher_signals() (supervisor.hpp) must have run, and
