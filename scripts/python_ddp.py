@@ -3,6 +3,7 @@
 baseline scripts/bench.sh measures mnist_ddp against.
 
     python3 scripts/python_ddp.py --steps 240 [--nproc 2] [--data-dir data] [--dataset fashion-mnist]
+        [--nnodes 2 --node-rank K --master-addr A --master-port P]
 
 Trains --steps steps on --nproc Gloo processes on the CPU (or, with --cuda,
 one NCCL process per visible GPU) with the reference's settings: batch 32
@@ -12,7 +13,11 @@ intra-op threads, as mnist_ddp's workers do. PyTorch's SyncBatchNorm
 refuses CPU tensors, so on the CPU the BatchNorm layers stay per-process;
 with --cuda they are converted, as the reference does. The batches are
 sliced from the normalised data set held in memory (no DataLoader worker
-processes), which favours this baseline. Prints "steps N in S s".
+processes), which favours this baseline. With --nnodes, this is node
+--node-rank of a job whose rank 0 listens at --master-addr:--master-port
+(scripts/bench_network.sh runs one node in each of two network
+namespaces). Rank 0 prints "steps N in S s", timed from the start of its
+training loop.
 """
 import argparse
 import os
@@ -31,23 +36,24 @@ from evaluate_model import Net, read_idx  # noqa: E402  the reference's Net and 
 RAW_DIRS = {"mnist": "MNIST/raw", "fashion-mnist": "FashionMNIST/raw"}
 
 
-def worker(rank, args, port):
+def worker(local_rank, args, port):
     torch.set_num_threads(args.threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl" if args.cuda else "gloo", rank=rank, world_size=args.nproc)
-    device = torch.device("cuda", rank) if args.cuda else torch.device("cpu")
+    os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(port))
+    rank, world = args.node_rank * args.nproc + local_rank, args.nnodes * args.nproc
+    dist.init_process_group("nccl" if args.cuda else "gloo", rank=rank, world_size=world)
+    device = torch.device("cuda", local_rank) if args.cuda else torch.device("cpu")
     torch.manual_seed(0)
     raw = os.path.join(args.data_dir, RAW_DIRS[args.dataset])
     images = (read_idx(raw, "train-images-idx3-ubyte").float().div_(255).sub_(0.1307).div_(0.3081)).unsqueeze(1)
     labels = read_idx(raw, "train-labels-idx1-ubyte").long()
     images, labels = images.to(device), labels.to(device)
-    sampler = torch.utils.data.DistributedSampler(range(len(labels)), num_replicas=args.nproc, rank=rank,
+    sampler = torch.utils.data.DistributedSampler(range(len(labels)), num_replicas=world, rank=rank,
                                                   shuffle=True, seed=0)
     model = Net()
     if args.cuda:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if args.cuda else None)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if args.cuda else None)
     if args.compression == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -83,15 +89,21 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--compression", choices=["none", "fp16"], default="none")
     parser.add_argument("--cuda", action="store_true")
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument("--master-port", type=int, default=0, help="0: a free one (one node only)")
     args = parser.parse_args()
     if args.cuda:
         if not torch.cuda.is_available():
             sys.exit("python_ddp: --cuda, but this torch sees no GPU")
         args.nproc = torch.cuda.device_count()
-    args.threads = max(1, (os.cpu_count() or 1) // args.nproc)
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    args.threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)  # the cores this process may use
+    port = args.master_port
+    if port == 0:
+        with socket.socket() as s:  # a free port for the rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     mp.spawn(worker, args=(args, port), nprocs=args.nproc)
 
 

@@ -1,0 +1,202 @@
+#!/usr/bin/env bash
+# The network benchmark: what each hook gains on a link between two
+# machines, played on this one. Two network namespaces joined by a veth
+# pair, each end shaped by a token bucket (tc tbf: netem is not available
+# here), one node in each (--nproc 1, pinned to a core of its own), on
+# Fashion-MNIST at batch 32, PowerSGD compressing from step 10. Prints one
+# table per rate, and the targets met or not.
+#
+#   bash scripts/bench_network.sh [--rate 1gbit]... [--steps 100] [--rounds 1]
+#
+# Each figure is a slope, so start-up and the end cancel: the difference in
+# training time (summary.json's training.seconds; Python DDP's own clock)
+# and in bytes the node-0 end of the veth sent, between a run of --steps and
+# one of --steps / 5, over the steps between them. Every hook runs on the
+# shaped link and on the same link unshaped (the compute floor), and, where
+# python3 has torch, PyTorch's Python DDP beside ours (scripts/python_ddp.py:
+# plain BatchNorm, Gloo, the hooks it can run on the CPU: none and fp16).
+# --rounds repeats everything in turn and takes medians. The namespaces and
+# every process in them go when the script ends, however it ends; where
+# namespaces cannot be made (no root, no iproute2) it says why and exits 0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rates=() steps=100 rounds=1
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    --rate) rates+=("$2"); shift 2 ;;
+    --steps) steps="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    *) echo "usage: bash scripts/bench_network.sh [--rate 1gbit]... [--steps 100] [--rounds 1]" >&2; exit 2 ;;
+  esac
+done
+[ "${#rates[@]}" -gt 0 ] || rates=(1gbit)
+[ "$steps" -ge 25 ] || { echo "bench_network: --steps $steps: at least 25, so that the slope spans 20 steps" >&2; exit 2; }
+short=$((steps / 5))
+hooks=(none fp16 powersgd powersgd_fp16 batched_powersgd_fp16)
+
+say() { echo "bench_network: $*" >&2; }
+[ "$(id -u)" -eq 0 ] || { say "network namespaces need root; nothing measured"; exit 0; }
+for tool in ip tc taskset; do
+  command -v "$tool" >/dev/null || { say "no '$tool' command (iproute2, util-linux); nothing measured"; exit 0; }
+done
+[ "$(nproc)" -ge 2 ] || say "one core only: both nodes share it, and the figures say little"
+
+bash scripts/install_deps.sh >/dev/null
+bash scripts/fetch_data.sh fashion-mnist >/dev/null
+bash scripts/build.sh --target mnist_ddp >/dev/null
+python=""
+for p in python3 /usr/bin/python3; do
+  if "$p" -c "import torch.distributed" 2>/dev/null; then python="$p"; break; fi
+done
+[ -n "$python" ] || say "no Python with torch: Python DDP is left out"
+
+out="$(mktemp -d)"
+a="mnddp_na$$" b="mnddp_nb$$" va="nva$$" vb="nvb$$"
+cleanup() {
+  for ns in "$a" "$b"; do
+    # Only what runs in our own namespaces: what this script started.
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do [ "$pid" -gt 1 ] && kill -9 "$pid" 2>/dev/null; done
+    ip netns del "$ns" 2>/dev/null || true
+  done
+  rm -rf "$out"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+if ! { ip netns add "$a" && ip netns add "$b" &&
+       ip link add "$va" netns "$a" type veth peer name "$vb" netns "$b" &&
+       ip -n "$a" addr add 10.231.9.1/24 dev "$va" && ip -n "$b" addr add 10.231.9.2/24 dev "$vb" &&
+       ip -n "$a" link set "$va" up && ip -n "$b" link set "$vb" up &&
+       ip -n "$a" link set lo up && ip -n "$b" link set lo up; } 2>"$out/netns.txt"; then
+  say "this machine does not allow two network namespaces and a veth pair ($(head -n 1 "$out/netns.txt")); nothing measured"
+  exit 0
+fi
+
+shape() {  # shape RATE|none
+  local ns dev
+  for ns_dev in "$a:$va" "$b:$vb"; do
+    ns="${ns_dev%%:*}" dev="${ns_dev#*:}"
+    tc -n "$ns" qdisc del dev "$dev" root 2>/dev/null || true
+    [ "$1" = none ] || tc -n "$ns" qdisc add dev "$dev" root tbf rate "$1" burst 256kb latency 200ms
+  done
+}
+sent() { ip netns exec "$a" cat "/sys/class/net/$va/statistics/tx_bytes"; }
+
+port=29600
+# run WHO HOOK STEPS: one two-node run; prints "<training seconds> <bytes node 0 sent>".
+run() {
+  local who="$1" hook="$2" n="$3" before after seconds node pids=()
+  port=$((port + 1))
+  rm -rf "$out/run"
+  mkdir -p "$out/run"
+  before=$(sent)
+  for node in 0 1; do
+    local ns="$a" dev="$va"
+    [ "$node" = 1 ] && ns="$b" dev="$vb"
+    if [ "$who" = ours ]; then
+      ip netns exec "$ns" taskset -c "$node" ./build/mnist_ddp --backend gloo --nnodes 2 --node-rank "$node" \
+        --nproc 1 --master-addr 10.231.9.1 --master-port "$port" --dataset fashion-mnist --epochs 1 \
+        --max-steps "$n" --compression "$hook" --start-powersgd-iter 10 --checkpoint-every 0 --log-interval 1000 \
+        --timeout 120 --path "$out/run/$node" >"$out/run/$node.txt" 2>&1 &
+    else
+      ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$dev" taskset -c "$node" "$python" scripts/python_ddp.py \
+        --steps "$n" --dataset fashion-mnist --compression "$hook" --nnodes 2 --node-rank "$node" --nproc 1 \
+        --master-addr 10.231.9.1 --master-port "$port" >"$out/run/$node.txt" 2>&1 &
+    fi
+    pids+=($!)
+  done
+  if ! wait "${pids[0]}" || ! wait "${pids[1]}"; then
+    say "a $who $hook run of $n steps failed:"
+    tail -n 3 "$out/run/0.txt" "$out/run/1.txt" >&2
+    exit 1
+  fi
+  after=$(sent)
+  if [ "$who" = ours ]; then
+    seconds=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["training"]["seconds"])' "$out/run/0/summary.json")
+  else
+    seconds=$(sed -n 's/^steps [0-9]* in \([0-9.]*\) s$/\1/p' "$out/run/0.txt")
+  fi
+  echo "$seconds $((after - before))"
+}
+
+results="$out/results.txt"
+for round in $(seq 1 "$rounds"); do
+  for rate in none "${rates[@]}"; do
+    shape "$rate"
+    for who in ours python; do
+      [ "$who" = python ] && [ -z "$python" ] && continue
+      for hook in "${hooks[@]}"; do
+        [ "$who" = python ] && [ "$hook" != none ] && [ "$hook" != fp16 ] && continue
+        say "round $round, link ${rate/none/unshaped}: $who $hook"
+        read -r s1 b1 < <(run "$who" "$hook" "$short")
+        read -r s2 b2 < <(run "$who" "$hook" "$steps")
+        echo "$round $rate $who $hook $s1 $b1 $s2 $b2" >>"$results"
+      done
+    done
+  done
+done
+
+python3 - "$results" "$((steps - short))" "$(git rev-parse --short HEAD 2>/dev/null || echo '?')" "${rates[@]}" <<'EOF'
+import statistics, sys
+results, span, commit, rates = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+runs = {}
+for line in open(results):
+    rnd, rate, who, hook, s1, b1, s2, b2 = line.split()
+    ms = (float(s2) - float(s1)) * 1000 / span
+    wire = (int(b2) - int(b1)) / span
+    runs.setdefault((rate, who, hook), []).append((ms, wire))
+def fig(rate, who, hook):
+    got = runs.get((rate, who, hook))
+    if not got:
+        return None, None
+    return statistics.median(m for m, _ in got), statistics.median(w for _, w in got)
+def bits(rate):
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale
+    return float(rate)
+hooks = ["none", "fp16", "powersgd", "powersgd_fp16", "batched_powersgd_fp16"]
+print(f"Two nodes, one worker each, over a veth (commit {commit}); ms/step and bytes node 0 sent per step,")
+print(f"slopes over {span} steps; batch 32 per node, PowerSGD from step 10.\n")
+verdicts = []
+for rate in rates:
+    print(f"### {rate}\n")
+    print("| hook | ms/step | images/s | ratio to none | sent/step | unshaped ms/step | Python DDP ms/step | Python unshaped | ours vs Python |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    none_ms, _ = fig(rate, "ours", "none")
+    for hook in hooks:
+        ms, wire = fig(rate, "ours", hook)
+        floor, _ = fig("none", "ours", hook)
+        py, _ = fig(rate, "python", hook)
+        py_floor, _ = fig("none", "python", hook)
+        cell = lambda x, f="{:.1f}": f.format(x) if x is not None else "—"
+        speedup = f"{py / ms:.2f}x" if py else "—"
+        print(f"| {hook} | {ms:.1f} | {64000 / ms:.0f} | {none_ms / ms:.2f} | {wire / 1e6:.3f} MB | {cell(floor)} | "
+              f"{cell(py)} | {cell(py_floor)} | {speedup} |")
+    print()
+    ms, wire = fig(rate, "ours", "none")
+    floor, _ = fig("none", "ours", "none")
+    wire_ms = wire * 8 / bits(rate) * 1000
+    bound = max(floor, wire_ms)
+    # Each target: what, the measured ratio, and the most it may be.
+    verdicts.append((f"{rate}: none within 1.2x of max(unshaped {floor:.1f}, wire {wire_ms:.1f}) = {bound:.1f} ms",
+                     ms / bound, 1.2))
+    limit = 1.15 if bits(rate) >= 1e9 else 1.5
+    ms, _ = fig(rate, "ours", "powersgd_fp16")
+    floor, _ = fig("none", "ours", "powersgd_fp16")
+    verdicts.append((f"{rate}: powersgd_fp16 within {limit}x of its unshaped {floor:.1f} ms", ms / floor, limit))
+    for hook in ("none", "fp16"):
+        for link in (rate, "none"):
+            ours, _ = fig(link, "ours", hook)
+            py, _ = fig(link, "python", hook)
+            if py:
+                name = "unshaped" if link == "none" else link
+                verdicts.append((f"{name}: {hook} at least 1.5x Python DDP ({ours:.1f} vs {py:.1f} ms)",
+                                 ours / py, 1 / 1.5))
+print("Targets (ratio: measured over its bound; met at or below the bound):")
+seen = set()
+for what, ratio, most in verdicts:
+    if what not in seen:
+        seen.add(what)
+        print(f"- {what}: {ratio:.2f} against {most:.2f}, {'met' if ratio <= most else 'NOT met'}")
+EOF
