@@ -78,8 +78,11 @@ function(mnist_ddp_check_libtorch)
       endif()
     endif()
     string(REGEX MATCH "^[0-9]+" torch_cuda_major "${torch_cuda}")
-    if(NOT torch_cuda_major)
-      set(torch_cuda_major "<your CUDA major>")
+    set(nvidia_toolkit "NVIDIA's CUDA toolkit of the version this LibTorch was built with")
+    if(torch_cuda_major)
+      set(nvidia_toolkit "NVIDIA's CUDA ${torch_cuda_major}.x toolkit")
+    else()
+      set(torch_cuda_major "<CUDA major>")
     endif()
 
     # The CUDA toolkit: nvcc where CMake and PyTorch's FindCUDA look for it,
@@ -108,24 +111,37 @@ function(mnist_ddp_check_libtorch)
     endif()
 
     # NCCL's header: where the user says, the toolkit, the system, then pip's
-    # layout beside the PyTorch.
+    # layout beside the PyTorch, then an active conda env.
     find_path(MNIST_DDP_NCCL_INCLUDE_DIR nccl.h
       HINTS ENV NCCL_INCLUDE_DIR "$ENV{NCCL_ROOT}/include" "${MNIST_DDP_CUDA_INCLUDE_DIR}"
-      PATHS "${site}/nvidia/nccl/include" ${pip_includes}
+      PATHS "${site}/nvidia/nccl/include" ${pip_includes} "$ENV{CONDA_PREFIX}/include"
       DOC "NCCL's header directory (nccl.h)")
 
+    # What is missing, and what installs it: Debian's packages, NVIDIA's
+    # toolkit, and for a pip or conda PyTorch (site-packages/torch) the
+    # packages that go beside it.
+    set(cuda_of_torch "")
+    if(torch_cuda)
+      set(cuda_of_torch " ${torch_cuda}")
+    endif()
     set(missing "")
     if(NOT MNIST_DDP_NVCC OR NOT MNIST_DDP_CUDA_INCLUDE_DIR OR NOT toolkit)
-      list(APPEND missing "the CUDA toolkit ${torch_cuda} (nvcc, cuda_runtime.h; none found on PATH, CUDA_HOME or /usr/local/cuda): apt install nvidia-cuda-toolkit on Debian/Ubuntu, or NVIDIA's CUDA ${torch_cuda_major}.x toolkit with CUDA_HOME set to it")
+      list(APPEND missing "the CUDA toolkit${cuda_of_torch} (nvcc and cuda_runtime.h: none on PATH, in CUDA_HOME or /usr/local/cuda): apt install nvidia-cuda-toolkit on Debian/Ubuntu, or ${nvidia_toolkit}, CUDA_HOME set to it")
     elseif(torch_cuda AND NOT toolkit MATCHES "^${torch_cuda_major}\\.")
       list(APPEND missing "a CUDA toolkit ${torch_cuda_major}.x to match it (found ${toolkit}, ${MNIST_DDP_NVCC}): NVIDIA's CUDA ${torch_cuda} toolkit, with CUDA_HOME set to it")
     endif()
     if(NOT MNIST_DDP_NCCL_INCLUDE_DIR)
-      list(APPEND missing "NCCL's header nccl.h (none in NCCL_INCLUDE_DIR, NCCL_ROOT, the toolkit, the system or ${site}/nvidia/nccl/include): apt install libnccl-dev on Debian/Ubuntu, or pip install nvidia-nccl-cu${torch_cuda_major} beside this PyTorch, or NCCL_ROOT=<an NCCL install>")
+      set(where "NCCL_INCLUDE_DIR, NCCL_ROOT, the CUDA toolkit, the system's include paths")
+      set(fix "apt install libnccl-dev on Debian/Ubuntu")
+      if(torch_root MATCHES "/torch$")
+        string(APPEND where ", ${site}/nvidia/nccl/include")
+        string(APPEND fix ", pip install nvidia-nccl-cu${torch_cuda_major} beside this PyTorch, conda install nccl in its env")
+      endif()
+      list(APPEND missing "NCCL's header nccl.h (looked in ${where}): ${fix}, or NCCL_ROOT=<an NCCL install>")
     endif()
     if(missing)
       string(REPLACE ";" "; and " missing "${missing}")
-      mnist_ddp_stop("LibTorch ${version} with CUDA ${torch_cuda} (${Torch_DIR}) needs ${missing}")
+      mnist_ddp_stop("LibTorch ${version} with CUDA${cuda_of_torch} (${Torch_DIR}) needs ${missing}")
     endif()
     if(NOT MNIST_DDP_NCCL_INCLUDE_DIR IN_LIST CMAKE_CXX_IMPLICIT_INCLUDE_DIRECTORIES)
       include_directories(SYSTEM "${MNIST_DDP_NCCL_INCLUDE_DIR}")

@@ -18,7 +18,7 @@
 # unless MNIST_DDP_CPU=1 asks for a CPU build.
 
 # CUDA major.minor of a cuXYZ tag (cu124 -> 12.4, cu130 -> 13.0).
-cuda_of_tag() { [[ "$1" =~ cu([0-9]+)([0-9])$ ]] && echo "${BASH_REMATCH[1]}.${BASH_REMATCH[2]}"; }
+cuda_of_tag() { if [[ "$1" =~ cu([0-9]+)([0-9])$ ]]; then echo "${BASH_REMATCH[1]}.${BASH_REMATCH[2]}"; fi; }
 
 # The directory holding TorchConfig.cmake under a LibTorch or CMake prefix.
 torch_config_dir() {
@@ -83,7 +83,7 @@ choose_libtorch() {
       [ -n "$cpu_dir" ] || { cpu_dir="$dir"; cpu_version="$version"; cpu_why="the PyTorch of $py"; }
     done < <(pythons)
     if [ -z "$LIBTORCH_DIR" ]; then
-      local why="no Python here has a CUDA PyTorch (${looked:-no python3, no python})"
+      local why="no Python here has a CUDA PyTorch with CMake files (${looked:-no python3, no python})"
       if dir="$(torch_config_dir /usr/local || torch_config_dir /usr)"; then
         LIBTORCH_DIR="$dir"
         LIBTORCH_WHY="the system's, as $why"
