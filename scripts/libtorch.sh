@@ -31,6 +31,8 @@ torch_config_dir() {
 torch_version() { sed -n 's/^set(PACKAGE_VERSION "\([^"]*\)").*/\1/p' "$1/TorchConfigVersion.cmake" 2>/dev/null; }
 # The same test cmake/LibTorch.cmake makes: Caffe2's config says whether it was built with CUDA.
 torch_has_cuda() { grep -q 'set(CAFFE2_USE_CUDA ON)' "$1/../Caffe2/Caffe2Config.cmake" 2>/dev/null; }
+# The Debian package a TorchConfig.cmake directory comes from, if one.
+debian_package_of() { dpkg-query -S "$1/TorchConfig.cmake" 2>/dev/null | cut -d: -f1 || true; }
 
 has_nvidia_gpu() {
   [ -e /dev/nvidia0 ] || { command -v nvidia-smi >/dev/null && timeout 20 nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }
@@ -54,7 +56,7 @@ pythons() {
 # LIBTORCH_DEBIAN (the Debian package it comes from, if one). Exits with
 # one line where no LibTorch will do.
 choose_libtorch() {
-  local me="${0##*/}" py out version cuda prefix dir looked="" cpu_dir="" cpu_why="" cpu_version=""
+  local me="${0##*/}" py out version cuda prefix dir looked="" cpu_dir="" cpu_why=""
   LIBTORCH_DIR="" LIBTORCH_VERSION="" LIBTORCH_CUDA="" LIBTORCH_WHY="" LIBTORCH_DEBIAN=""
   if [ -n "${MNIST_DDP_LIBTORCH:-}" ]; then
     LIBTORCH_DIR="$(torch_config_dir "$MNIST_DDP_LIBTORCH")" || {
@@ -80,13 +82,15 @@ choose_libtorch() {
         LIBTORCH_DIR="$dir" LIBTORCH_CUDA="$cuda" LIBTORCH_WHY="the PyTorch of $py"
         break
       fi
-      [ -n "$cpu_dir" ] || { cpu_dir="$dir"; cpu_version="$version"; cpu_why="the PyTorch of $py"; }
+      [ -n "$cpu_dir" ] || { cpu_dir="$dir"; cpu_why="the PyTorch of $py"; }
     done < <(pythons)
     if [ -z "$LIBTORCH_DIR" ]; then
       local why="no Python here has a CUDA PyTorch with CMake files (${looked:-no python3, no python})"
       if dir="$(torch_config_dir /usr/local || torch_config_dir /usr)"; then
-        LIBTORCH_DIR="$dir"
-        LIBTORCH_WHY="the system's, as $why"
+        local package from="the system's"
+        package="$(debian_package_of "$dir")"
+        [ -z "$package" ] || from="Debian's $package"
+        LIBTORCH_DIR="$dir" LIBTORCH_WHY="$from, as $why"
         torch_has_cuda "$dir" && LIBTORCH_CUDA=yes
       elif [ -n "$cpu_dir" ]; then
         LIBTORCH_DIR="$cpu_dir" LIBTORCH_WHY="$cpu_why, as the system has no LibTorch and $why"
@@ -97,10 +101,7 @@ choose_libtorch() {
   fi
   if [ -n "$LIBTORCH_DIR" ]; then
     LIBTORCH_VERSION="$(torch_version "$LIBTORCH_DIR")"
-    LIBTORCH_DEBIAN="$(dpkg-query -S "$LIBTORCH_DIR/TorchConfig.cmake" 2>/dev/null | cut -d: -f1)" || true
-    if [ -n "$LIBTORCH_DEBIAN" ] && [[ "$LIBTORCH_WHY" == "the system's"* ]]; then
-      LIBTORCH_WHY="Debian's $LIBTORCH_DEBIAN${LIBTORCH_WHY#"the system's"}"
-    fi
+    LIBTORCH_DEBIAN="$(debian_package_of "$LIBTORCH_DIR")"
   fi
   if [ -z "$LIBTORCH_CUDA" ] && has_nvidia_gpu && [ "${MNIST_DDP_CPU:-}" != 1 ]; then
     echo "$me: this machine has an NVIDIA GPU but the LibTorch found has no CUDA ($(describe_libtorch)); activate the venv or conda env of a CUDA PyTorch, or set MNIST_DDP_LIBTORCH to an unpacked CUDA LibTorch; MNIST_DDP_CPU=1 builds for the CPU anyway" >&2
