@@ -4,7 +4,8 @@
 #
 #   bash tests/scripts_test.sh CASE SOURCE_DIR [TORCH_DIR WITH_CUDA NCCL_INCLUDE_DIR]
 #
-# CASE: install-without-root, libtorch-choice, fetch-data, nccl-header.
+# CASE: install-without-root, libtorch-choice, unsupported-libtorch,
+# fetch-data, nccl-header.
 # Exit 0: passed; 77: skipped, the reason printed (ctest's SKIP_RETURN_CODE);
 # else failed, saying what. Each case works in a temporary directory of its
 # own, removed at the end; every command it runs is bounded in time.
@@ -124,6 +125,16 @@ case "$case_name" in
     MNIST_DDP_CPU=1 MNIST_DDP_LIBTORCH="$tmp/cpu" run bash "$tmp/repo/scripts/build.sh"
     [[ "$out" == *"configuring build/ afresh"* ]] || fail "MNIST_DDP_CPU=1 did not replace the CUDA build/: $out $err"
     echo "libtorch-choice: passed"
+    ;;
+
+  unsupported-libtorch)
+    # A LibTorch older than the oldest supported stops configuring in one line.
+    fake_libtorch "$tmp/old" 1.12.1 OFF
+    cp -r "$src/CMakeLists.txt" "$src/cmake" "$tmp/repo/"
+    MNIST_DDP_CPU=1 MNIST_DDP_LIBTORCH="$tmp/old" run bash "$tmp/repo/scripts/build.sh"
+    [ "$rc" != 0 ] || fail "LibTorch 1.12.1: build.sh passed: $out"
+    expect_one_line "LibTorch 1.12.1" "$err" "mnist_ddp: LibTorch 1.12.1" "older than 1.13" "MNIST_DDP_LIBTORCH"
+    echo "unsupported-libtorch: passed"
     ;;
 
   fetch-data)
