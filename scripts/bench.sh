@@ -32,7 +32,7 @@ while [ "$#" -gt 0 ]; do
     *) echo "usage: bash scripts/bench.sh [--gpu] [--steps N] [--rounds R]" >&2; exit 2 ;;
   esac
 done
-bash scripts/install_deps.sh >/dev/null
+bash scripts/install_deps.sh test >/dev/null  # mnist_ddp_bench is built beside the tests; PyTorch for its Python DDP
 bash scripts/fetch_data.sh fashion-mnist >/dev/null
 bash scripts/build.sh --target mnist_ddp --target mnist_ddp_bench >/dev/null
 out="$(mktemp -d)"

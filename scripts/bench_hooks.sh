@@ -20,7 +20,7 @@ while [ "$#" -gt 0 ]; do
     *) echo "usage: bash scripts/bench_hooks.sh [--steps N] [--rounds R] [--keep DIR] [--gpu]" >&2; exit 2 ;;
   esac
 done
-bash scripts/install_deps.sh >/dev/null
+bash scripts/install_deps.sh build >/dev/null
 bash scripts/fetch_data.sh fashion-mnist >/dev/null
 bash scripts/build.sh --target mnist_ddp >/dev/null
 

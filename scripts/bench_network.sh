@@ -41,7 +41,7 @@ for tool in ip tc taskset; do
 done
 [ "$(nproc)" -ge 2 ] || say "one core only: both nodes share it, and the figures say little"
 
-bash scripts/install_deps.sh >/dev/null
+bash scripts/install_deps.sh test >/dev/null
 bash scripts/fetch_data.sh fashion-mnist >/dev/null
 bash scripts/build.sh --target mnist_ddp >/dev/null
 python=""

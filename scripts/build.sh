@@ -2,23 +2,33 @@
 # Configures and builds Release into build/. Arguments go to cmake --build
 # (for example: --target mnist_ddp).
 #
-# LibTorch, the first that applies:
-#   1. $MNIST_DDP_LIBTORCH: a LibTorch prefix (an unpacked official archive, e.g. /opt/libtorch);
-#   2. the LibTorch inside python3's PyTorch, when that PyTorch has CUDA: the NCCL path is built;
-#   3. Debian's CPU LibTorch (libtorch-dev).
-# build/ is rebuilt from scratch when the LibTorch changes.
+# The LibTorch is scripts/libtorch.sh's choice, named in one line before
+# configuring. build/ is configured afresh when the LibTorch changes, but a
+# CUDA build there is replaced by a CPU one only with MNIST_DDP_CPU=1.
+# What configuring finds missing (a CUDA toolkit, NCCL's header, an
+# unsupported LibTorch) is one line naming the fix: cmake/LibTorch.cmake.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/libtorch.sh
-prefix="$(libtorch_prefix)"
-if [ -f build/CMakeCache.txt ] && [ "$(cat build/.libtorch 2>/dev/null)" != "$prefix" ]; then
-  echo "build.sh: LibTorch changed to ${prefix:-the Debian package}; configuring build/ afresh"
+choose_libtorch
+echo "build.sh: $(describe_libtorch)"
+[ -n "$LIBTORCH_DIR" ] || { echo "build.sh: no LibTorch installed: bash scripts/install_deps.sh build installs Debian's" >&2; exit 1; }
+
+built="$(sed -n 's/^Torch_DIR:PATH=//p' build/CMakeCache.txt 2>/dev/null)" || true
+if [ -n "$built" ] && [ "$(readlink -f "$built")" != "$(readlink -f "$LIBTORCH_DIR")" ]; then
+  if torch_has_cuda "$built" && [ -z "$LIBTORCH_CUDA" ] && [ "${MNIST_DDP_CPU:-}" != 1 ]; then
+    echo "build.sh: build/ holds a CUDA build (LibTorch at $built) and the LibTorch found now has no CUDA: activate the PyTorch it was built with, or set MNIST_DDP_CPU=1 to replace it by a CPU build" >&2
+    exit 1
+  fi
+  echo "build.sh: the LibTorch changed (was $built); configuring build/ afresh"
   rm -rf build
 fi
-args=(-DCMAKE_BUILD_TYPE=Release)
-[ -n "$prefix" ] && args+=("-DCMAKE_PREFIX_PATH=$prefix")
+args=(-DCMAKE_BUILD_TYPE=Release "-DTorch_DIR=$LIBTORCH_DIR")
 command -v ninja >/dev/null && [ ! -f build/Makefile ] && args+=(-G Ninja)
-configure="$(cmake -S . -B build "${args[@]}")" || { echo "$configure"; exit 1; }
+if ! configure="$(cmake -S . -B build "${args[@]}" 2>&1)"; then
+  # Our own checks say what is missing in one line; anything else in full.
+  grep -E '^ +mnist_ddp: ' <<<"$configure" | sed 's/^ *//' >&2 || echo "$configure" >&2
+  exit 1
+fi
 grep '^-- mnist_ddp:' <<<"$configure" || true  # the LibTorch, and whether the CUDA/NCCL path is built
-echo "$prefix" > build/.libtorch
 cmake --build build -j "$(nproc)" "$@"

