@@ -296,8 +296,11 @@ Job make_job(StorePtr store, int rank, int world_size, const std::string& backen
   job.gloo_address = gloo_address;
   job.store = std::move(store);
   job.heartbeat_ = std::make_shared<Heartbeat>(job.store, rank);
-  job.stream = make_stream(job.store, "main", backend, rank, world_size, device, gloo_address, timeout,
-                           shared_memory && backend == "gloo" && device.is_cpu());
+  const bool shm = shared_memory && backend == "gloo" && device.is_cpu();
+  job.stream = make_stream(job.store, "main", backend, rank, world_size, device, gloo_address, timeout, shm);
+  job.quick = backend == "nccl" || world_size == 1
+                  ? job.stream
+                  : make_stream(job.store, "quick", backend, rank, world_size, device, gloo_address, timeout, shm);
   return job;
 }
 

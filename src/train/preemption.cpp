@@ -26,13 +26,13 @@ int preemption_signal() { return g_preemption_signal; }
 int StopVote::after_step() {
   int agreed = 0;
   if (votes_.defined()) {
-    job_.stream->wait(ticket_);
+    job_.quick->wait(ticket_);
     const torch::Tensor votes = votes_.cpu();
     agreed = votes[0].item<double>() > 0 ? SIGTERM : votes[1].item<double>() > 0 ? SIGUSR1 : 0;
   }
   const int mine = preemption_signal();
   votes_ = torch::tensor({mine == SIGTERM ? 1.0 : 0.0, mine == SIGUSR1 ? 1.0 : 0.0}, torch::kFloat64).to(job_.device);
-  ticket_ = job_.stream->post([votes = votes_](Channel& c) { c.allreduce_sum(votes)->waitAndThrow(); });
+  ticket_ = job_.quick->post([votes = votes_](Channel& c) { c.allreduce_sum(votes)->waitAndThrow(); });
   return agreed;
 }
 

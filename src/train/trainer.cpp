@@ -62,7 +62,7 @@ DistributedDataParallel build_model(const Options& opts, Job& job, const std::op
   torch::manual_seed(opts.seed);
   Net net;
   if (resumed) load_state_dict(*net, resumed->model, "module.", "checkpoint " + resume_dir(opts));
-  convert_sync_batchnorm(*net, job.stream);
+  convert_sync_batchnorm(*net, job.quick);
   net->to(job.device);
   DistributedDataParallel ddp(torch::nn::AnyModule(net), job, make_comm_hook(opts.compression, opts.powersgd),
                               opts.bucket_cap_mb);
@@ -101,7 +101,7 @@ std::array<double, 3> test_metrics(DistributedDataParallel& ddp, const Dataset& 
     local[3] += static_cast<double>(y.size(0));
   }
   auto sums = torch::tensor({local[0], local[1], local[2], local[3]}, torch::kFloat64).to(job.device);
-  job.stream->allreduce_sum(sums);
+  job.quick->allreduce_sum(sums);
   sums = sums.cpu();
   const auto s = sums.accessor<double, 1>();
   return {s[0] / s[3], 100.0 * s[1] / s[3], 100.0 * s[2] / s[3]};
@@ -281,7 +281,7 @@ void Trainer::log_train(EpochReport& report, int64_t batch, int64_t batches, con
   // Every rank's loss and accuracies, averaged over ranks as the reference does.
   auto metrics = torch::stack({loss.detach().to(torch::kFloat64), top1.to(torch::kFloat64) * percent,
                                top5.to(torch::kFloat64) * percent});
-  job_.stream->allreduce_sum(metrics);
+  job_.quick->allreduce_sum(metrics);
   metrics = (metrics / job_.world_size).cpu();
   const auto m = metrics.accessor<double, 1>();
   report.train_loss = m[0];

@@ -34,8 +34,16 @@ struct Job {
   int restart = 0;  // which start of the job's workers this is (WorkerEnv::restart)
   std::string gloo_address = "127.0.0.1";  // local address Gloo listens on
   StorePtr store;
-  // The one way to the other ranks: DDP, SyncBatchNorm, metrics, checks.
+  // The ways to the other ranks, two ordered streams (collectives.hpp):
+  // `stream` carries the bulk (DDP's gradient buckets, checkpoints, replica
+  // checks); `quick` the small collectives that computation waits on
+  // (SyncBatchNorm's statistics, the stop vote, metrics), so that none of
+  // them queues behind a bucket crossing a slow link. Each is ordered in
+  // itself, which is all that matching collectives across ranks needs: the
+  // two are separate process groups. Under NCCL (one GPU each, fast links)
+  // `quick` is `stream`.
   std::shared_ptr<CollectiveStream> stream;
+  std::shared_ptr<CollectiveStream> quick;
 
   // The ranks whose heartbeat stopped: after a collective failed, who is
   // gone. Watches the store for a few seconds; rank 0 when the store
