@@ -1,6 +1,6 @@
 // Preemption: a SIGTERM or SIGUSR1 (from a scheduler, or passed on by the
 // launcher) becomes a step that every rank stops after, and rank 0
-// checkpoints.
+// checkpoints. The votes travel on the job's quick lane.
 //
 // From catch_preemption_signals() on, those signals no longer end the
 // process: they are noted. After each step every rank posts its note to a
