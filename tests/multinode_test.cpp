@@ -209,5 +209,31 @@ TEST_F(MultiNode, TwoNodesOverAVirtualNetwork) {
   EXPECT_NE(log.find("master_addr: 10.231.7.1"), std::string::npos) << log;
 }
 
+// Over a link shaped to 200 Mbit/s (a token bucket: what crosses queues
+// behind what crossed before), every hook: each of a rank's two lanes
+// (rendezvous.hpp) keeps its order, so each run ends with replicas
+// bit-identical on every rank.
+TEST_F(MultiNode, EveryHookOverAShapedLinkEndsWithIdenticalReplicas) {
+  const test::TwoHosts hosts;
+  if (!hosts.why_not().empty()) GTEST_SKIP() << hosts.why_not();
+  if (!hosts.shape("200mbit")) GTEST_SKIP() << "tc cannot shape the veth here (no tbf)";
+  for (const std::string& compression : kCompressions) {
+    SCOPED_TRACE(compression);
+    auto on = [&](int host, int nproc) {
+      auto args = node(host, nproc, dir_ / (compression + std::to_string(host)),
+                       {"--master-addr", hosts.address(0), "--compression", compression, "--max-steps", "12",
+                        "--checkpoint-every", "0", "--log-interval", "3"});
+      args.insert(args.begin(), MNIST_DDP_BINARY);
+      return hosts.in(host, args);
+    };
+    Process node1(on(1, 1), dir_ / (compression + "1.txt"), {}, /*command=*/true);
+    Process node0(on(0, 2), dir_ / (compression + "0.txt"), {}, /*command=*/true);
+    EXPECT_EQ(exit_code(node0.wait(120s)), 0) << read_text(dir_ / (compression + "0.txt"));
+    EXPECT_EQ(exit_code(node1.wait(30s)), 0) << read_text(dir_ / (compression + "1.txt"));
+    const std::string log = read_text(dir_ / (compression + "0/mnist_train.log"));
+    EXPECT_NE(log.find("Replicas: all 3 ranks hold identical parameters"), std::string::npos) << log;
+  }
+}
+
 }  // namespace
 }  // namespace mnist_ddp

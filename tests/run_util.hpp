@@ -83,6 +83,7 @@ class TwoHosts {
       return;
     }
     const std::string a = names_[0], b = names_[1], va = "va" + id, vb = "vb" + id;
+    devices_ = {va, vb};
     created_ = sh("ip netns add " + a) && sh("ip netns add " + b);
     if (!(created_ && sh("ip link add " + va + " netns " + a + " type veth peer name " + vb + " netns " + b) &&
           sh("ip -n " + a + " addr add " + address(0) + "/24 dev " + va) &&
@@ -98,6 +99,15 @@ class TwoHosts {
   // "" when the hosts are up.
   const std::string& why_not() const { return why_not_; }
   std::string address(int host) const { return host == 0 ? "10.231.7.1" : "10.231.7.2"; }
+  // Shapes both ends of the link to `rate` ("200mbit") with a token bucket,
+  // as scripts/bench_network.sh does; false where tc cannot.
+  bool shape(const std::string& rate) const {
+    for (int host : {0, 1})
+      if (!sh("tc -n " + names_[host] + " qdisc add dev " + devices_[host] + " root tbf rate " + rate +
+              " burst 256kb latency 200ms"))
+        return false;
+    return true;
+  }
   // `command` run inside host `host`.
   std::vector<std::string> in(int host, std::vector<std::string> command) const {
     command.insert(command.begin(), {"ip", "netns", "exec", names_[host]});
@@ -106,7 +116,7 @@ class TwoHosts {
 
  private:
   static bool sh(const std::string& command) { return std::system((command + " >/dev/null 2>&1").c_str()) == 0; }
-  std::vector<std::string> names_;
+  std::vector<std::string> names_, devices_;
   bool created_ = false;
   std::string why_not_;
 };
