@@ -200,8 +200,10 @@ void preflight(const Options& opts) {
   files::make_run_directory(opts.path);
   std::cout << "The folder '" << opts.path << "' " << (existed ? "already exists." : "was created.") << std::endl;
   if (const std::string dir = resume_dir(opts); !dir.empty()) {
+    const Checkpoint c = load_checkpoint(dir);
+    check_resumable(c, opts, dir);
     Net net;
-    load_state_dict(*net, load_checkpoint(dir).model, "module.", "checkpoint " + dir);
+    load_state_dict(*net, c.model, "module.", "checkpoint " + dir);
   }
 }
 
