@@ -30,10 +30,11 @@ class Launcher {
   Launcher(const Options& opts, const Placement& placement, const Environment& env,
            const std::vector<std::string>& argv, const sigset_t& original_mask)
       : opts_(opts), placement_(placement), env_(env), argv_(argv), supervisor_(original_mask) {}
+  ~Launcher() { close_store(store_); }  // never waits on a stalled store (store.hpp)
 
   int run() {
     if (const int code = open_job_store(); code >= 0) return code;
-    RestartRounds rounds(*store_, opts_.node_rank, opts_.nnodes, timeout());
+    RestartRounds rounds(store_, opts_.node_rank, opts_.nnodes, timeout());
     std::vector<std::string> argv = argv_;
     double launched = env_.launch_time;
     for (int round = 0;; ++round) {
