@@ -135,6 +135,16 @@ void check_dataset_files(const std::string& data_dir, const std::string& dataset
   }
 }
 
+int64_t dataset_bytes(const std::string& data_dir, const std::string& dataset) {
+  int64_t bytes = 0;
+  for (bool train : {true, false}) {
+    const SplitFiles f = split_files(data_dir, dataset, train);
+    const int64_t images = IdxFile(f.images).header(3)[0];
+    bytes += images * (kSide * kSide * static_cast<int64_t>(sizeof(float)) + static_cast<int64_t>(sizeof(int64_t)));
+  }
+  return bytes;
+}
+
 Dataset load_dataset(const std::string& data_dir, const std::string& dataset, bool train) {
   const SplitFiles f = split_files(data_dir, dataset, train);
   const torch::Tensor images = read_idx(f.images, 3);
