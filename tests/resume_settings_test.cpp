@@ -83,5 +83,45 @@ TEST(ResumeUnderOtherSettings, AnotherDatasetIsRefusedAndAnotherSeedTaken) {
   EXPECT_EQ(load_checkpoint(dir / "out/checkpoint").step, 8);
 }
 
+// --resume auto starts afresh only where there is nothing: no directory,
+// an empty one, or the leftovers of a first save cut short before its
+// manifest. A directory that lost its newest manifest but holds the
+// previous one resumes from that; something that is no directory is
+// refused, saying so.
+TEST(ResumeAuto, StartsAfreshOnlyWhereThereIsNothing) {
+  TempDir dir;
+  const Options opts = test::parse({"--path", dir / "out", "--resume", "auto"});
+  const std::string ckpt = dir / "out/checkpoint";
+  EXPECT_EQ(resume_dir(opts), "");
+  files::make_directories(ckpt);
+  EXPECT_EQ(resume_dir(opts), "");
+  test::write_file(ckpt + "/model-1.pt", "half a save", false);
+  EXPECT_EQ(resume_dir(opts), "");
+  EXPECT_EQ(checkpoint_leftovers(ckpt), std::vector<std::string>{"model-1.pt"});
+
+  Checkpoint c;
+  c.model.insert("module.w", torch::ones({2}));
+  c.step = 5;
+  save_checkpoint(ckpt, c);
+  c.step = 6;
+  save_checkpoint(ckpt, c);
+  files::remove_file(ckpt + "/manifest");
+  ASSERT_EQ(resume_dir(opts), ckpt);
+  const CheckpointFiles read = read_checkpoint_files(ckpt);
+  EXPECT_NE(read.fallback.find("its newest checkpoint has no manifest"), std::string::npos) << read.fallback;
+  EXPECT_EQ(parse_checkpoint(read).step, 5);
+
+  files::remove_tree(ckpt);
+  test::write_file(ckpt, "a file", false);
+  ASSERT_EQ(resume_dir(opts), ckpt);
+  try {
+    read_checkpoint_files(ckpt);
+    ADD_FAILURE() << "read a file as a checkpoint";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find(ckpt + " is not a directory holding a checkpoint"), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace mnist_ddp

@@ -138,7 +138,7 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
     else if (key == "step") c.step = line.integer(line.words(2)[1], 0, kMax);
     else if (key == "best_accuracy") c.best_accuracy = line.real(line.words(2)[1], 0, 100);
     else if (key == "world_size") c.world_size = static_cast<int>(line.integer(line.words(2)[1], 1, 1 << 24));
-    else if (key == "compression") c.compression = line.words(2)[1];
+    else if (key == "compression") c.compression = text_line.size() > 12 ? text_line.substr(12) : "";
     else if (key == "file") {
       const auto w = line.words(5);
       if (w[1] != "model" && w[1] != "training") line.fail("names the unknown role '" + w[1] + "'");
