@@ -163,7 +163,10 @@ std::shared_ptr<CollectiveStream> make_stream(const StorePtr& store, const std::
                                 "could not form the process group with all " + std::to_string(world_size) +
                                     " ranks within " + std::to_string(timeout.count() / 1000) +
                                     " s: the store stopped answering",
-                                [=] { return create_group(prefixed, backend, rank, world_size, gloo_address, timeout); });
+                                [=] {
+                                  use_device(device);  // the helper thread's, as the caller's
+                                  return create_group(prefixed, backend, rank, world_size, gloo_address, timeout);
+                                });
   } catch (const StoreStalled&) {
     throw;
   } catch (const std::exception& e) {

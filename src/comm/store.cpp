@@ -166,11 +166,11 @@ c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port,
   so.timeout = timeout;
   port::set_store_libuv(so, libuv_available());
   const in_addr_t address = host ? ipv4_address(addr) : INADDR_NONE;
-  const std::string where = "the rendezvous store at " + addr + ":" + std::to_string(port);
+  const std::string unreachable = "could not reach the rendezvous store at " + addr + ":" + std::to_string(port) +
+                                  " within " + std::to_string(timeout.count() / 1000) + " s";
   try {
     if (!host)  // a client's constructor may ask the server something (2.x): bounded
-      return StoreClient::within(timeout + std::chrono::seconds(1), where + " did not answer within " +
-                                     std::to_string(timeout.count() / 1000) + " s",
+      return StoreClient::within(timeout + std::chrono::seconds(1), unreachable + " (no answer)",
                                  [addr, so] { return c10::make_intrusive<c10d::TCPStore>(addr, so); });
     store_bind_address() = address;
     auto store = c10::make_intrusive<c10d::TCPStore>(addr, so);
@@ -189,8 +189,7 @@ c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port,
                         " is already in use on this machine; choose another port or 0 for a free one");
       throw std::runtime_error("cannot host the rendezvous store at " + addr + ":" + std::to_string(port) + ": " + why);
     }
-    throw std::runtime_error("could not reach the rendezvous store at " + addr + ":" + std::to_string(port) +
-                             " within " + std::to_string(timeout.count() / 1000) + " s (" + why + ")");
+    throw std::runtime_error(unreachable + " (" + why + ")");
   }
 }
 
