@@ -170,7 +170,7 @@ c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port,
                                   " within " + std::to_string(timeout.count() / 1000) + " s";
   try {
     if (!host)  // a client's constructor may ask the server something (2.x): bounded
-      return StoreClient::within(timeout + std::chrono::seconds(1), unreachable + " (no answer)",
+      return StoreClient::within(timeout + std::chrono::seconds(1), unreachable + " (it did not answer)",
                                  [addr, so] { return c10::make_intrusive<c10d::TCPStore>(addr, so); });
     store_bind_address() = address;
     auto store = c10::make_intrusive<c10d::TCPStore>(addr, so);
