@@ -218,9 +218,10 @@ TEST(Layout, IncludesRunOneWayAndOneFileReadsTheEnvironment) {
       ASSERT_TRUE(level.count(their_room)) << header;
       EXPECT_LE(level.at(their_room), level.at(my_room)) << root << "/" << path << " includes " << header << ": upward";
       // The launcher and the worker are siblings: only main() includes either.
-      if (their_room == "launch" || their_room == "")
-        EXPECT_TRUE(my_room == their_room && their_room == "launch" || me == "main")
+      if (their_room == "launch" || their_room == "") {
+        EXPECT_TRUE((my_room == their_room && their_room == "launch") || me == "main")
             << root << "/" << path << " includes " << header;
+      }
     }
     const size_t lines = static_cast<size_t>(std::count(text.begin(), text.end(), '\n'));
     EXPECT_LE(lines, 460u) << root << "/" << path << " has " << lines << " lines";
@@ -230,8 +231,9 @@ TEST(Layout, IncludesRunOneWayAndOneFileReadsTheEnvironment) {
   }
   for (const auto& [file, headers] : includes)
     for (const auto& header : headers)
-      if (header != file && includes.count(header))
+      if (header != file && includes.count(header)) {
         EXPECT_FALSE(includes.at(header).count(file)) << file << " and " << header << " include each other";
+      }
 }
 
 }  // namespace
