@@ -154,6 +154,102 @@ TEST(Checkpoint, DamagedOrForeignCheckpointsSayWhatIsWrong) {
   EXPECT_NE(checkpoint_error(ckpt).find("is not a mnist_ddp checkpoint manifest"), std::string::npos);
 }
 
+// Any damage to the newest manifest (a CRC field that is no number, a
+// manifest cut mid-line, one digit flipped, none at all) falls back to the
+// previous checkpoint, saying what was wrong; never a parse error, never a
+// position read wrong.
+TEST(Checkpoint, ADamagedManifestFallsBackToThePreviousCheckpointSayingWhy) {
+  TempDir dir;
+  const std::string ckpt = dir / "ckpt";
+  save_checkpoint(ckpt, sample(31));
+  save_checkpoint(ckpt, sample(32));
+  const std::string manifest = test::read_text(ckpt + "/manifest");
+  ASSERT_NE(manifest.find("\nbatch 2\n"), std::string::npos) << manifest;
+  std::string garbage_crc = manifest;
+  const size_t crc_at = garbage_crc.find(' ', garbage_crc.find(' ', garbage_crc.find(' ', garbage_crc.find("file model ") + 5) + 1) + 1) + 1;
+  garbage_crc.replace(crc_at, 8, "zz!?zz!?");
+  std::string flipped = manifest;
+  flipped.replace(flipped.find("\nbatch 2\n"), 9, "\nbatch 7\n");
+  const std::vector<std::pair<std::string, std::string>> damages = {
+      {"a CRC32 that is no number", garbage_crc},
+      {"cut mid-line", manifest.substr(0, manifest.find("\nstep ") + 4)},
+      {"one digit flipped", flipped},
+      {"empty", ""},
+  };
+  for (const auto& [what, text] : damages) {
+    SCOPED_TRACE(what);
+    test::write_file(ckpt + "/manifest", text, false);
+    CheckpointFiles read;
+    ASSERT_NO_THROW(read = read_checkpoint_files(ckpt));
+    EXPECT_NE(read.fallback.find(ckpt + "/manifest"), std::string::npos) << read.fallback;
+    EXPECT_NE(read.fallback.find("using the checkpoint before it"), std::string::npos) << read.fallback;
+    expect_same(parse_checkpoint(read), sample(31));
+  }
+  test::write_file(ckpt + "/manifest", flipped, false);
+  EXPECT_NE(read_checkpoint_files(ckpt).fallback.find("its checksum does not match its contents"), std::string::npos);
+  files::remove_file(ckpt + "/manifest");
+  const CheckpointFiles read = read_checkpoint_files(ckpt);
+  EXPECT_NE(read.fallback.find("has no manifest"), std::string::npos) << read.fallback;
+  expect_same(parse_checkpoint(read), sample(31));
+}
+
+// A newest checkpoint that is damaged or has lost its manifest is never
+// pushed into manifest.previous, and its numbers are never reused: the
+// intact previous checkpoint survives every later save until a new one
+// has taken its place.
+TEST(Checkpoint, ADamagedNewestNeverPushesOutTheIntactPreviousOne) {
+  TempDir dir;
+  const std::string ckpt = dir / "ckpt";
+  for (const std::string damage : {"manifest removed", "model corrupt"}) {
+    SCOPED_TRACE(damage);
+    files::remove_tree(ckpt);
+    save_checkpoint(ckpt, sample(41));
+    save_checkpoint(ckpt, sample(42));
+    if (damage == "manifest removed") {
+      files::remove_file(ckpt + "/manifest");
+    } else {
+      const std::string model = file_named(ckpt, "model");
+      test::write_file(model, "not the model", false);
+    }
+    expect_same(load_checkpoint(ckpt), sample(41));  // the run resumes from the previous one...
+    save_checkpoint(ckpt, sample(43));               // ...and saves its next
+    expect_same(load_checkpoint(ckpt), sample(43));
+    test::write_file(ckpt + "/manifest", "damaged", false);
+    SCOPED_TRACE("the intact checkpoint before stays the previous one");
+    expect_same(load_checkpoint(ckpt), sample(41));
+  }
+}
+
+// Nothing a save writes or removes goes through a symbolic link planted in
+// the checkpoint directory, at a data file's name, a manifest's, or the
+// temporary name older versions used (<file>.tmp.<pid>); nor is a checkpoint
+// directory that is itself a link written into.
+TEST(Checkpoint, ASaveFollowsNoLinkPlantedInItsDirectory) {
+  TempDir dir;
+  const std::string ckpt = dir / "ckpt", victim = dir / "victim";
+  files::make_directories(ckpt);
+  test::write_file(victim, "precious", false);
+  const std::string pid = std::to_string(getpid());
+  for (const std::string& name : std::vector<std::string>{"manifest", "manifest.previous", "model-1.pt", "training-1.pt", "model-1.pt.tmp." + pid,
+                                 "training-1.pt.tmp." + pid, "manifest.tmp." + pid})
+    ASSERT_EQ(symlink(victim.c_str(), (ckpt + "/" + name).c_str()), 0) << name;
+  save_checkpoint(ckpt, sample(51));
+  save_checkpoint(ckpt, sample(52));
+  EXPECT_EQ(test::read_text(victim), "precious");
+  expect_same(load_checkpoint(ckpt), sample(52));
+  for (const auto& name : files::list_directory(ckpt)) EXPECT_EQ(test::read_symlink(ckpt + "/" + name), "") << name;
+
+  files::make_directories(dir / "elsewhere");
+  ASSERT_EQ(symlink((dir / "elsewhere").c_str(), (dir / "linked").c_str()), 0);
+  try {
+    save_checkpoint(dir / "linked", sample(53));
+    ADD_FAILURE() << "wrote through a link";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("symbolic link"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(files::list_directory(dir / "elsewhere").empty());
+}
+
 TEST(Checkpoint, AnotherModelIsRefusedByName) {
   Net net;
   TensorDict state = state_dict(*net);

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <random>
 #include <set>
 
 #include "mnist_ddp/train/data.hpp"
@@ -63,6 +64,33 @@ TEST(Idx, EachKindOfBadFileIsNamed) {
   expect_contains(data_error([&] { read_idx(f, 1); }), "past the end");
 
   expect_contains(data_error([&] { read_idx(dir / "missing", 1); }), "cannot open");
+}
+
+// A gzip file damaged anywhere is named, never read as data: bytes flipped
+// mid-stream (as a bad disk or download does), a wrong CRC32, a wrong length.
+TEST(Idx, DamagedGzipDataIsNamedNotTrained) {
+  TempDir dir;
+  const std::string f = dir / "damaged.gz";
+  std::vector<uint8_t> pixels(64 * 28 * 28);
+  std::mt19937 random(7);
+  for (auto& p : pixels) p = static_cast<uint8_t>(random() % 7 == 0 ? random() : 0);  // compresses, but not to nothing
+  write_file(f, idx_bytes({64, 28, 28}, pixels), true);
+  const std::string good = test::read_text(f);
+  ASSERT_GT(good.size(), 200u);
+  struct Damage {
+    std::string what;
+    size_t at, count;
+  };
+  for (const Damage& d : {Damage{"six bytes mid-stream", good.size() / 2, 6}, Damage{"the CRC32", good.size() - 8, 1},
+                          Damage{"the length", good.size() - 4, 1}}) {
+    SCOPED_TRACE(d.what);
+    std::string bad = good;
+    for (size_t i = 0; i < d.count; ++i) bad[d.at + i] = static_cast<char>(bad[d.at + i] ^ 0x5a);
+    write_file(f, bad, false);
+    const std::string msg = data_error([&] { read_idx(f, 3); });
+    expect_contains(msg, f);
+    expect_contains(msg, "the gzip data is damaged");
+  }
 }
 
 void write_split(const TempDir& dir, const std::string& split, uint32_t images, uint32_t labels, uint8_t max_label = 9,

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 
 #include <regex>
+#include <thread>
 
 #include "mnist_ddp/train/checkpoint.hpp"
 #include "mnist_ddp/base/files.hpp"
@@ -189,12 +190,92 @@ TEST_F(Faults, ResumeFromMissingTruncatedOrForeignCheckpoints) {
   expect_one_error_line(run(with(base(dir), {"--resume", ckpt}), dir), 1, "holds a different model");
 }
 
+// A --path another user made, with links where the run writes: refused
+// in one line before anything is written, and nothing it links to touched.
+TEST_F(Faults, AnotherUsersPathIsRefusedAndNoLinkInItFollowed) {
+  TempDir dir;
+  test::write_synthetic_mnist(dir / "data", 64, 32);
+  const std::string victim = dir / "victim.log", victim_dir = dir / "victim_dir";
+  test::write_file(victim, "precious\n", false);
+  files::make_directories(victim_dir);
+  test::write_file(victim_dir + "/keep", "keep", false);
+  files::make_directories(dir / "out");
+  ASSERT_EQ(symlink(victim.c_str(), (dir / "out/mnist_train.log").c_str()), 0);
+  ASSERT_EQ(symlink(victim_dir.c_str(), (dir / "out/checkpoint").c_str()), 0);
+  expect_one_error_line(run(base(dir), dir), 1, "mnist_train.log is a symbolic link");
+  if (geteuid() == 0) {
+    ASSERT_EQ(chown((dir / "out").c_str(), 65534, 65534), 0);
+    expect_one_error_line(run(base(dir), dir), 1, "--path " + (dir / "out") + ": it belongs to user");
+  }
+  EXPECT_EQ(read_text(victim), "precious\n");
+  EXPECT_EQ(files::list_directory(victim_dir), std::vector<std::string>{"keep"});
+}
+
 TEST_F(Faults, DivergedTrainingStopsNamingEpochAndStep) {
   TempDir dir;
   test::write_synthetic_mnist(dir / "data", 512, 64);
   const Outcome o = run(with(base(dir), {"--lr", "1e6", "--compression", "none"}), dir);
   expect_one_error_line(o, 1, "at epoch 0, step ", /*training_began=*/true);
   EXPECT_TRUE(std::regex_search(o.output, std::regex("the loss is -?(nan|inf)"))) << o.output;
+}
+
+// A connection to 127.0.0.1:`port`, retried for up to `limit` while the
+// store is not up yet; -1 if it never is.
+int connect_when_up(int port, std::chrono::milliseconds limit = 30s) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  do {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in at{};
+    at.sin_family = AF_INET;
+    at.sin_port = htons(static_cast<uint16_t>(port));
+    at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, reinterpret_cast<const sockaddr*>(&at), sizeof at) == 0) return fd;
+    close(fd);
+    std::this_thread::sleep_for(5ms);
+  } while (std::chrono::steady_clock::now() < deadline);
+  return -1;
+}
+
+// A neighbour on the store's port, as any local process can be. Mid-run,
+// a partial request stalls LibTorch's store for good: the job, which
+// trains without it, ends as it would have, and so does its launcher,
+// which used to wait for the store's loop. Many connections beyond a low
+// hard limit of descriptors end the job in one line, not an abort.
+TEST_F(Faults, ANeighbourOnTheStoreNeitherHangsNorAbortsTheJob) {
+  TempDir dir;
+  test::write_synthetic_mnist(dir / "data", 2048, 64);
+  {
+    const int port = test::free_port();
+    Process p(base(dir, {"--master-port", std::to_string(port), "--epochs", "1", "--log-interval", "1",
+                         "--compression", "none", "--timeout", "10"}),
+              dir / "output.txt");
+    ASSERT_TRUE(eventually([&] { return read_text(dir / "out/mnist_train.log").find("Train Epoch: 0 [2/") != std::string::npos; }, 60s))
+        << read_text(dir / "output.txt");
+    const int neighbour = connect_when_up(port);
+    ASSERT_GE(neighbour, 0);
+    const char partial[] = {0x00, 0x05, 0x00};  // a SET, and part of its key's length
+    ASSERT_EQ(write(neighbour, partial, sizeof partial), static_cast<ssize_t>(sizeof partial));
+    const int status = p.wait(60s);
+    close(neighbour);
+    ASSERT_NE(status, -1) << "still running 60 s after its store stalled:\n" << read_text(dir / "output.txt");
+    EXPECT_EQ(WEXITSTATUS(status), 0) << read_text(dir / "output.txt");
+  }
+  {
+    const int port = test::free_port();
+    Process p({"bash", "-c", "ulimit -Sn 128 && ulimit -Hn 128 && exec \"$0\" \"$@\"", MNIST_DDP_BINARY, "--backend",
+               "gloo", "--nproc", "2", "--data-dir", dir / "data", "--path", dir / "out2", "--timeout", "20",
+               "--master-port", std::to_string(port), "--epochs", "1000"},
+              dir / "output.txt", {}, /*command=*/true);
+    std::vector<int> idle;
+    for (int fd = connect_when_up(port); fd >= 0 && idle.size() < 200; fd = connect_when_up(port, 0ms)) idle.push_back(fd);
+    const int status = p.wait(60s);
+    for (int fd : idle) close(fd);
+    ASSERT_NE(status, -1) << read_text(dir / "output.txt");
+    Outcome o;
+    o.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    o.output = read_text(dir / "output.txt");
+    expect_one_error_line(o, 1, "ran out of file descriptors (128, ulimit -n)", /*training_began=*/true);
+  }
 }
 
 TEST_F(Faults, APeerThatNeverArrivesTimesOut) {

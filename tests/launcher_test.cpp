@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <regex>
 
+#include "mnist_ddp/base/placement.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -193,6 +194,31 @@ TEST(Launcher, BadInputIsOneLineAndNoWorkerStarts) {
   Process usage({"--batch-size", "0"}, out);
   ASSERT_EQ(WEXITSTATUS(usage.wait(20s)), 2);
   EXPECT_EQ(read_text(out), "mnist_ddp: error: --batch-size: must be a positive integer, got '0'\n");
+
+  // More workers than the machine holds: one line before any starts.
+  test::write_synthetic_mnist(dir / "data", 64, 32);
+  Process many({"--backend", "gloo", "--nproc", "5000", "--data-dir", dir / "data", "--path", dir / "out"}, out);
+  ASSERT_EQ(WEXITSTATUS(many.wait(20s)), 2) << read_text(out);
+  EXPECT_NE(read_text(out).find("mnist_ddp: error: --nproc 5000: this machine has "), std::string::npos) << read_text(out);
+  EXPECT_NE(read_text(out).find(" fit\n"), std::string::npos) << read_text(out);
+}
+
+TEST(Launcher, WorkersAreBoundedByTheMachinesCoresAndMemory) {
+  const Options opts = test::parse({"--backend", "gloo", "--nproc", "500"});
+  const Placement p = plan_placement(opts, false, 0);
+  constexpr int64_t MiB = 1 << 20, GiB = int64_t{1} << 30;
+  try {
+    check_workers_fit(opts, p, 280 * MiB, 2, 24 * GiB);
+    ADD_FAILURE() << "500 workers fit 2 cores";
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "--nproc 500: this machine has 2 cores and 24.0 GiB of memory available; 500 workers would need "
+              "136.7 GiB (280 MiB each, for the data set and the model); at most 32 fit");
+  }
+  const Placement four = plan_placement(test::parse({"--backend", "gloo", "--nproc", "4"}), false, 0);
+  EXPECT_NO_THROW(check_workers_fit(opts, four, 280 * MiB, 2, 24 * GiB));
+  EXPECT_THROW(check_workers_fit(opts, four, 280 * MiB, 64, GiB), UsageError) << "4 x 280 MiB in 1 GiB";
+  EXPECT_GT(available_memory(), 0);
 }
 
 }  // namespace

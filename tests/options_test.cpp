@@ -75,6 +75,22 @@ TEST(Options, BadValuesNameTheFlagAndWhatIsAllowed) {
       {{"--dataset", "cifar"}, {"--dataset", "mnist, fashion-mnist"}},
       {{"--nproc", "0"}, {"--nproc", "positive integer"}},
       {{"--no-such-flag"}, {"--no-such-flag"}},
+      // Infinite, not a number, or past what the program can count in.
+      {{"--timeout", "inf"}, {"--timeout", "up to 604800", "'inf'"}},
+      {{"--timeout", "1e17"}, {"--timeout", "up to 604800", "'1e17'"}},
+      {{"--timeout", "nan"}, {"--timeout", "'nan'"}},
+      {{"--bucket-cap-mb", "inf"}, {"--bucket-cap-mb", "up to 1048576"}},
+      {{"--bucket-cap-mb", "1e300"}, {"--bucket-cap-mb", "up to 1048576"}},
+      {{"--lr", "inf"}, {"--lr", "positive number", "'inf'"}},
+      {{"--lr", "-inf"}, {"--lr", "positive number"}},
+      {{"--momentum", "inf"}, {"--momentum", "'inf'"}},
+      {{"--weight-decay", "nan"}, {"--weight-decay", "'nan'"}},
+      {{"--min-compression-rate", "inf"}, {"--min-compression-rate", "'inf'"}},
+      {{"--orthogonalization-epsilon", "inf"}, {"--orthogonalization-epsilon", "'inf'"}},
+      {{"--batch-size", "inf"}, {"--batch-size", "'inf'"}},
+      {{"--epochs", "99999999999"}, {"--epochs", "'99999999999'"}},
+      {{"--seed", "-1"}, {"--seed", "0..18446744073709551615"}},
+      {{"--powersgd-seed", "-1"}, {"--powersgd-seed", "0..18446744073709551615"}},
   };
   for (const auto& c : cases) {
     const std::string msg = usage_error(c.args);

@@ -21,7 +21,7 @@ bool pause_briefly() {
 }
 
 TEST(RestartRounds, ASingleNodeRestartsAtOnceForItsOwnCause) {
-  c10d::HashStore store;
+  auto store = c10::make_intrusive<c10d::HashStore>();
   RestartRounds rounds(store, 0, 1, 1s);
   EXPECT_FALSE(rounds.requested(1));
   const auto outcome = rounds.join(1, "worker rank 1 exited with status 1", [] { return true; });
@@ -32,7 +32,7 @@ TEST(RestartRounds, ASingleNodeRestartsAtOnceForItsOwnCause) {
 // The node that loses a worker asks; the other sees the request, stops its
 // workers, and joins: both restart for the first cause.
 TEST(RestartRounds, EveryNodeJoinsTheFirstRequestAndRestartsForItsCause) {
-  c10d::HashStore store;
+  auto store = c10::make_intrusive<c10d::HashStore>();
   RestartRounds node0(store, 0, 2, 10s), node1(store, 1, 2, 10s);
   auto asked = std::async(std::launch::async, [&] { return node1.join(1, "worker local rank 0 died", pause_briefly); });
   std::optional<std::string> request;
@@ -52,7 +52,7 @@ TEST(RestartRounds, EveryNodeJoinsTheFirstRequestAndRestartsForItsCause) {
 }
 
 TEST(RestartRounds, ANodeThatRefusesStopsTheRound) {
-  c10d::HashStore store;
+  auto store = c10::make_intrusive<c10d::HashStore>();
   RestartRounds node0(store, 0, 2, 10s), node1(store, 1, 2, 10s);
   node0.refuse(1, "node 0 stopped (interrupted)");
   const auto outcome = node1.join(1, "worker died", pause_briefly);
@@ -61,7 +61,7 @@ TEST(RestartRounds, ANodeThatRefusesStopsTheRound) {
 }
 
 TEST(RestartRounds, ANodeThatNeverComesIsNamedAfterTheTimeout) {
-  c10d::HashStore store;
+  auto store = c10::make_intrusive<c10d::HashStore>();
   RestartRounds node1(store, 1, 3, 1s);
   const auto start = std::chrono::steady_clock::now();
   const auto outcome = node1.join(1, "worker died", pause_briefly);
@@ -70,8 +70,28 @@ TEST(RestartRounds, ANodeThatNeverComesIsNamedAfterTheTimeout) {
   EXPECT_EQ(outcome.why, "node 0, 2 did not join restart 1 within 1 s (after node 1: worker died)");
 }
 
+// What another process writes at the round's keys is no node's word: a
+// cause that no node set asks for nothing and is replaced, a node that
+// is not "ready" is not ready, a refusal no node made refuses nothing.
+TEST(RestartRounds, WhatNoNodeWroteIsIgnored) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  store->set("restart/1/cause", std::vector<uint8_t>{'x', 0x1b, 'y'});
+  store->add("restart/1/node/1", 1);
+  store->set("restart/1/refused", std::vector<uint8_t>{'n', 'o', 'p', 'e'});
+  RestartRounds node0(store, 0, 2, 1s), node1(store, 1, 2, 1s);
+  EXPECT_FALSE(node1.requested(1)) << "a cause no node set";
+  const auto outcome = node0.join(1, "worker died", pause_briefly);
+  EXPECT_FALSE(outcome.start);
+  EXPECT_EQ(outcome.why, "node 1 did not join restart 1 within 1 s (after node 0: worker died)");
+  ASSERT_TRUE(node1.requested(1));
+  EXPECT_EQ(*node1.requested(1), "node 0: worker died");
+  // A node's cause, refusal and readiness are printable whatever was written.
+  store->set("restart/2/cause", std::vector<uint8_t>{'n', 'o', 'd', 'e', ' ', '1', ':', ' ', 0x1b, '[', '2', 'J'});
+  EXPECT_EQ(*node0.requested(2), "node 1: ?[2J");
+}
+
 TEST(RestartRounds, AnInterruptionEndsTheWaitWithoutACause) {
-  c10d::HashStore store;
+  auto store = c10::make_intrusive<c10d::HashStore>();
   RestartRounds node0(store, 0, 2, 60s);
   const auto start = std::chrono::steady_clock::now();
   const auto outcome = node0.join(1, "worker died", [] { return true; });

@@ -7,7 +7,6 @@
 
 #include <c10/util/Logging.h>
 #include <spdlog/sinks/base_sink.h>
-#include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -61,6 +60,24 @@ class TerminalSink : public spdlog::sinks::base_sink<std::mutex> {
   std::string progress_;
 };
 
+// <path>/mnist_train.log, appended through a descriptor opened in the run's
+// directory without following a link (files.hpp): each line is one write.
+class RunLogSink : public spdlog::sinks::base_sink<std::mutex> {
+ public:
+  explicit RunLogSink(files::AppendFile file) : file_(std::move(file)) {}
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    spdlog::memory_buf_t line;
+    formatter_->format(msg, line);
+    file_.write(std::string(line.data(), line.size()));
+  }
+  void flush_() override {}
+
+ private:
+  files::AppendFile file_;
+};
+
 spdlog::sink_ptr g_file_sink;
 std::shared_ptr<TerminalSink> g_terminal;
 
@@ -77,13 +94,8 @@ void init_logging(const std::string& dir, int rank, bool dumb_terminal) {
     sinks.push_back(std::make_shared<spdlog::sinks::stderr_sink_mt>());
   }
   if (rank == 0) {
-    const std::string file = files::join(dir, "mnist_train.log");
-    try {
-      g_file_sink = std::make_shared<spdlog::sinks::basic_file_sink_mt>(file);
-      sinks.push_back(g_file_sink);
-    } catch (const spdlog::spdlog_ex& e) {
-      throw std::runtime_error("cannot open log file " + file + ": " + e.what());
-    }
+    g_file_sink = std::make_shared<RunLogSink>(files::RunDirectory(dir).append("mnist_train.log"));
+    sinks.push_back(g_file_sink);
   }
   auto logger = std::make_shared<spdlog::logger>("mnist_ddp", sinks.begin(), sinks.end());
   logger->set_pattern(pattern);

@@ -5,32 +5,43 @@
 #include "mnist_ddp/base/environment.hpp"
 
 #include <algorithm>
+#include <cfloat>
 #include <climits>
+#include <cmath>
 #include <cstdlib>
 #include <sstream>
 
 namespace mnist_ddp {
 namespace {
 
+constexpr double kLargest = DBL_MAX;
+
 // Validators whose messages say what is allowed. CLI11 prefixes the flag name.
-CLI::Validator at_least(double min, const std::string& what) {
+// Every number must be finite and at most `max`: "inf" or "1e17" seconds
+// would overflow the milliseconds and deadlines made of them.
+CLI::Validator number(double min, bool min_allowed, double max, const std::string& what) {
   return CLI::Validator(
-      [min, what](std::string& s) -> std::string {
+      [=](std::string& s) -> std::string {
         double v = 0;
-        if (!CLI::detail::lexical_cast(s, v) || !(v >= min)) return "must be " + what + ", got '" + s + "'";
+        if (!CLI::detail::lexical_cast(s, v) || !std::isfinite(v) || !(min_allowed ? v >= min : v > min) || v > max)
+          return "must be " + what + ", got '" + s + "'";
         return "";
       },
       what);
 }
 
-CLI::Validator positive(const std::string& what) {
+CLI::Validator at_least(double min, const std::string& what) { return number(min, true, kLargest, what); }
+CLI::Validator positive(const std::string& what) { return number(0, false, kLargest, what); }
+
+// Seeds are unsigned: CLI11 would take "-1" as 2^64 - 1.
+CLI::Validator seed() {
   return CLI::Validator(
-      [what](std::string& s) -> std::string {
-        double v = 0;
-        if (!CLI::detail::lexical_cast(s, v) || !(v > 0)) return "must be " + what + ", got '" + s + "'";
+      [](std::string& s) -> std::string {
+        if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos)
+          return "must be an integer in 0..18446744073709551615, got '" + s + "'";
         return "";
       },
-      what);
+      "0..2^64-1");
 }
 
 CLI::Validator one_of(const std::vector<std::string>& choices) {
@@ -124,12 +135,13 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
             return "";
           },
           "0..65535"));
+  // A week at most: Gloo counts its timeout in int milliseconds (24 days).
   app.add_option("--timeout", o.timeout, "Seconds a rendezvous or collective may wait for a peer")
-      ->check(positive("a positive number of seconds"));
+      ->check(number(0, false, 604800, "a positive number of seconds up to 604800 (a week)"));
 
   app.add_option("--data-dir", o.data_dir, "Directory holding MNIST/raw or FashionMNIST/raw");
   app.add_option("--dataset", o.dataset, "Dataset to train on")->check(one_of({"mnist", "fashion-mnist"}));
-  app.add_option("--seed", o.seed, "Seed of model init, data order and dropout");
+  app.add_option("--seed", o.seed, "Seed of model init, data order and dropout")->check(seed());
   app.add_option("--max-steps", o.max_steps, "Stop after this many training steps in total (0: no limit)")
       ->check(at_least(0, "an integer >= 0"));
   app.add_option("--checkpoint-every", o.checkpoint_every,
@@ -144,7 +156,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
   app.add_option("--resume", o.resume,
                  "Continue from a checkpoint directory, or 'auto': <path>/checkpoint when it holds one");
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "Gradient bucket size in MB (the first bucket is at most 1 MB)")
-      ->check(positive("a positive number"));
+      ->check(number(0, false, 1 << 20, "a positive number of MB up to 1048576"));
 
   auto& ps = o.powersgd;
   app.add_option("--powersgd-rank", ps.rank, "PowerSGD matrix approximation rank")->check(positive("a positive integer"));
@@ -159,7 +171,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
   app.add_option("--orthogonalization-epsilon", ps.orthogonalization_epsilon,
                  "PowerSGD: added to column norms when orthogonalising")
       ->check(at_least(0, "a number >= 0"));
-  app.add_option("--powersgd-seed", ps.seed, "PowerSGD: seed of Q's initial draws");
+  app.add_option("--powersgd-seed", ps.seed, "PowerSGD: seed of Q's initial draws")->check(seed());
 
   try {
     app.parse(argc, argv);

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
+#include <fstream>
+#include <limits>
 #include <set>
 #include <string>
 #include <thread>
@@ -23,6 +26,16 @@ bool built_with_cuda() {
 bool names_a_device(const std::string& item) {
   if (item.rfind("GPU-", 0) == 0 || item.rfind("MIG-", 0) == 0) return item.size() > 4;
   return !item.empty() && std::all_of(item.begin(), item.end(), [](unsigned char c) { return std::isdigit(c); });
+}
+
+// "1.5 GiB", "63 MiB".
+std::string fmt_gib(int64_t bytes) {
+  char text[32];
+  if (bytes >= (int64_t{1} << 30))
+    std::snprintf(text, sizeof text, "%.1f GiB", static_cast<double>(bytes) / (1 << 30));
+  else
+    std::snprintf(text, sizeof text, "%lld MiB", static_cast<long long>(bytes >> 20));
+  return text;
 }
 
 }  // namespace
@@ -100,6 +113,42 @@ int device_of_local_rank(const Placement& p, int local_rank) {
   throw UsageError("local rank " + std::to_string(local_rank) + " has no GPU: this node's --gpus (or visible " +
                    "GPUs) give " + std::to_string(p.devices.size()) + "; name one per local worker, " +
                    "repeat ids with --backend gloo, or train on the CPU with --backend gloo");
+}
+
+void check_workers_fit(const Options& opts, const Placement& p, int64_t bytes_per_worker, int cores,
+                       int64_t available_bytes) {
+  constexpr int kPerCore = 16;
+  const int64_t by_memory = available_bytes / std::max<int64_t>(1, bytes_per_worker);
+  const int64_t fit = std::max<int64_t>(1, std::min<int64_t>(int64_t{kPerCore} * std::max(1, cores), by_memory));
+  if (p.local_workers <= fit) return;
+  const auto gib = fmt_gib;
+  const std::string flag = p.devices.empty() ? "--nproc " + std::to_string(opts.nproc)
+                                             : "--gpus (" + std::to_string(p.local_workers) + " workers)";
+  throw UsageError(flag + ": this machine has " + std::to_string(cores) + " cores and " + gib(available_bytes) +
+                   " of memory available; " + std::to_string(p.local_workers) + " workers would need " +
+                   gib(bytes_per_worker * p.local_workers) + " (" + gib(bytes_per_worker) +
+                   " each, for the data set and the model)" +
+                   (by_memory < p.local_workers ? "" : " and more than " + std::to_string(kPerCore) + " a core") +
+                   "; at most " + std::to_string(fit) + " fit");
+}
+
+int64_t available_memory() {
+  int64_t available = std::numeric_limits<int64_t>::max();
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string key; meminfo >> key;) {
+    int64_t kib = 0;
+    meminfo >> kib;
+    if (key == "MemAvailable:") available = kib * 1024;
+    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  std::ifstream limit("/sys/fs/cgroup/memory.max");  // cgroup v2; "max" when none
+  int64_t cgroup = 0;
+  if (limit >> cgroup && cgroup > 0) {
+    int64_t used = 0;
+    std::ifstream("/sys/fs/cgroup/memory.current") >> used;
+    available = std::min(available, std::max<int64_t>(0, cgroup - used));
+  }
+  return available;
 }
 
 int threads_per_worker(int local_workers, int omp_num_threads) {

@@ -13,7 +13,9 @@
 #endif
 
 #include <algorithm>
+#include <cctype>
 #include <condition_variable>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -59,22 +61,39 @@ std::string local_address_towards(const std::string& host) {
 }
 
 
-// Waits for `keys`; on timeout throws `describe(missing keys)`.
-void wait_for(c10d::Store& store, const std::vector<std::string>& keys, std::chrono::milliseconds timeout,
+// Waits for `keys`; on timeout throws `describe(missing keys)`; a store
+// that stopped answering is StoreStalled, one that went away PeerLost.
+void wait_for(const StoreClient& store, const std::vector<std::string>& keys, std::chrono::milliseconds timeout,
               const std::function<std::string(const std::vector<std::string>&)>& describe) {
+  std::vector<std::string> missing;
   try {
-    store.wait(keys, timeout);
-  } catch (const std::exception&) {
-    std::vector<std::string> missing;
-    try {
-      for (const auto& k : keys)
-        if (!store.check({k})) missing.push_back(k);
-    } catch (const std::exception& e) {
-      throw store_lost(e);
-    }
-    if (missing.empty()) throw;
-    throw std::runtime_error(describe(missing));
+    missing = store.wait(keys, timeout);
+  } catch (const StoreStalled&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw store_lost(e);
   }
+  if (!missing.empty()) throw std::runtime_error(describe(missing));
+}
+
+// Values in the store are anyone's to write who can reach it: what the
+// rendezvous reads is checked, and a value no mnist_ddp wrote is named.
+std::runtime_error foreign_value(const StoreClient& store, const std::string& key, const std::string& value) {
+  std::string shown;
+  for (char c : value.substr(0, 40)) shown += std::isprint(static_cast<unsigned char>(c)) ? c : '?';
+  return std::runtime_error(store.where() + " holds '" + shown + "' at " + key +
+                            ", which no mnist_ddp wrote: another process is writing into this job's store");
+}
+
+// How a node's launcher claims its --node-rank: its host and pid, so that
+// a second launcher with the same --node-rank is told from the first, and
+// from anything else a process could write there.
+const std::string kClaim = "mnist_ddp launcher ";
+
+std::string this_launchers_claim() {
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  return kClaim + "pid " + std::to_string(getppid()) + " on " + host;
 }
 
 // The numbers in keys like "nodes/3/size" or "settings/3", joined: "1, 3".
@@ -138,10 +157,21 @@ std::shared_ptr<CollectiveStream> make_stream(const StorePtr& store, const std::
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
   GroupPtr group;
   try {
-    group = create_group(prefixed, backend, rank, world_size, gloo_address, timeout);
+    // Bounded as every store request is (store.hpp, "Note on stalls"): the
+    // group meets its peers through the store.
+    group = StoreClient::within(timeout + std::chrono::seconds(5),
+                                "could not form the process group with all " + std::to_string(world_size) +
+                                    " ranks within " + std::to_string(timeout.count() / 1000) +
+                                    " s: the store stopped answering",
+                                [=] {
+                                  use_device(device);  // the helper thread's, as the caller's
+                                  return create_group(prefixed, backend, rank, world_size, gloo_address, timeout);
+                                });
+  } catch (const StoreStalled&) {
+    throw;
   } catch (const std::exception& e) {
     try {
-      store->check({"settings/0"});
+      StoreClient(store, std::chrono::seconds(5), "the store").check({"settings/0"});
     } catch (const std::exception&) {
       throw store_lost(e);
     }
@@ -174,15 +204,21 @@ StorePtr open_job_store(const WorkerEnv& env, std::chrono::milliseconds timeout)
 }
 
 // This rank's place among the nodes' workers when the launcher left it open:
-// each node's local rank 0 announces its worker count; node 0's ranks come
-// first. Returns (rank, world size).
-std::pair<int, int> agree_on_ranks(c10d::Store& store, const WorkerEnv& env, std::chrono::milliseconds timeout) {
+// each node's local rank 0 claims its node rank and announces its worker
+// count; node 0's ranks come first. Returns (rank, world size).
+std::pair<int, int> agree_on_ranks(const StoreClient& store, const WorkerEnv& env, std::chrono::milliseconds timeout) {
   const std::string me = "nodes/" + std::to_string(env.node_rank);
   if (env.local_rank == 0) {
-    if (store.add(me + "/claims", 1) > 1)
-      throw std::runtime_error("another node also started with --node-rank " + std::to_string(env.node_rank) +
+    const std::string mine = this_launchers_claim(), key = me + "/claim";
+    std::string held = store.compare_set(key, "", mine);
+    // Garbage a neighbour left there is no claim: replaced, unless it changes meanwhile.
+    if (held != mine && held.rfind(kClaim, 0) != 0) held = store.compare_set(key, held, mine);
+    if (held != mine && held.rfind(kClaim, 0) == 0)
+      throw std::runtime_error("another node (the launcher with " + held.substr(kClaim.size()) +
+                               ") also started with --node-rank " + std::to_string(env.node_rank) +
                                "; give each node its own");
-    store.set(me + "/size", bytes_of(std::to_string(env.local_world_size)));
+    if (held != mine) throw foreign_value(store, key, held);
+    store.set(me + "/size", std::to_string(env.local_world_size));
   }
   std::vector<std::string> keys;
   for (int k = 0; k < env.nnodes; ++k) keys.push_back("nodes/" + std::to_string(k) + "/size");
@@ -194,20 +230,23 @@ std::pair<int, int> agree_on_ranks(c10d::Store& store, const WorkerEnv& env, std
   });
   int world_size = 0, first = 0;  // first: this node's first rank
   for (int k = 0; k < env.nnodes; ++k) {
-    const int size = std::stoi(text_of(store.get(keys[k])));
-    if (k < env.node_rank) first += size;
-    world_size += size;
+    const std::string text = store.get(keys[k]);
+    char* end = nullptr;
+    const long size = std::strtol(text.c_str(), &end, 10);
+    if (text.empty() || *end || size < 1 || size > (1 << 20)) throw foreign_value(store, keys[k], text);
+    if (k < env.node_rank) first += static_cast<int>(size);
+    world_size += static_cast<int>(size);
   }
   return {first + env.local_rank, world_size};
 }
 
 // Rank 0 checks everyone's settings, everyone checks rank 0's.
-void check_settings(c10d::Store& store, int rank, int world_size,
+void check_settings(const StoreClient& store, int rank, int world_size,
                     const std::vector<std::pair<std::string, std::string>>& settings,
                     std::chrono::milliseconds timeout) {
   std::string mine;
   for (const auto& [name, value] : settings) mine += name + "=" + value + "\n";
-  store.set("settings/" + std::to_string(rank), bytes_of(mine));
+  store.set("settings/" + std::to_string(rank), mine);
   auto never_arrived = [&](const std::vector<std::string>& missing) {
     return "rank " + numbers_in(missing) + " of " + std::to_string(world_size) + " never arrived within " +
            std::to_string(timeout.count() / 1000) + " s";
@@ -216,59 +255,68 @@ void check_settings(c10d::Store& store, int rank, int world_size,
     for (int r = 1; r < world_size; ++r) {
       const std::string key = "settings/" + std::to_string(r);
       wait_for(store, {key}, timeout, never_arrived);
-      compare_settings(mine, 0, text_of(store.get(key)), r);
+      compare_settings(mine, 0, store.get(key), r);
     }
   } else {
     wait_for(store, {"settings/0"}, timeout, never_arrived);
-    compare_settings(text_of(store.get("settings/0")), 0, mine, rank);
+    compare_settings(store.get("settings/0"), 0, mine, rank);
   }
 }
 
 }  // namespace
 
+// Every rank beats into the store once a second. Its thread may be blocked
+// on a stalled store when the job ends: then it is left to the process's
+// end rather than waited for.
 class Heartbeat {
  public:
-  Heartbeat(StorePtr store, int rank) : store_(std::move(store)), key_("heartbeat/" + std::to_string(rank)) {
-    thread_ = std::thread([this] { beat(); });
+  Heartbeat(StorePtr store, int rank, std::chrono::milliseconds timeout)
+      : state_(std::make_shared<State>(StoreClient(std::move(store), timeout, "the store"))) {
+    std::thread([state = state_, key = "heartbeat/" + std::to_string(rank)] { beat(*state, key); }).detach();
   }
   ~Heartbeat() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
+    std::unique_lock<std::mutex> lock(state_->mutex);
+    state_->stopping = true;
+    state_->cv.notify_all();
+    state_->cv.wait_for(lock, std::chrono::seconds(1), [this] { return state_->stopped; });
   }
 
  private:
-  void beat() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (int64_t n = 1; !stopping_; ++n) {
+  struct State {
+    explicit State(StoreClient c) : client(std::move(c)) {}
+    StoreClient client;
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool stopping = false, stopped = false;
+  };
+
+  static void beat(State& state, const std::string& key) {
+    std::unique_lock<std::mutex> lock(state.mutex);
+    for (int64_t n = 1; !state.stopping; ++n) {
       lock.unlock();
       try {
-        store_->set(key_, bytes_of(std::to_string(n)));
+        state.client.set(key, std::to_string(n));
       } catch (const std::exception&) {
-        return;  // the store is gone: so is its host, and someone will say so
+        lock.lock();
+        break;  // the store is gone or stalled: someone will say so
       }
       lock.lock();
-      cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stopping_; });
+      state.cv.wait_for(lock, std::chrono::seconds(1), [&] { return state.stopping; });
     }
+    state.stopped = true;
+    state.cv.notify_all();
   }
 
-  StorePtr store_;
-  std::string key_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool stopping_ = false;
-  std::thread thread_;
+  std::shared_ptr<State> state_;
 };
 
 std::vector<int> Job::silent_ranks() const {
-  auto read = [this] {
+  const StoreClient client(store, std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(5)), "the store");
+  auto read = [&] {
     std::vector<std::string> beats(world_size);
     for (int r = 0; r < world_size; ++r) {
       const std::string key = "heartbeat/" + std::to_string(r);
-      if (store->check({key})) beats[r] = text_of(store->get(key));
+      if (client.check({key})) beats[r] = client.get(key);
     }
     return beats;
   };
@@ -279,6 +327,8 @@ std::vector<int> Job::silent_ranks() const {
     const auto after = read();
     for (int r = 0; r < world_size; ++r)
       if (r != rank && before[r] == after[r]) silent.push_back(r);
+  } catch (const StoreStalled&) {
+    // A stalled store says nothing about who is gone.
   } catch (const std::exception&) {
     silent = {0};
   }
@@ -295,7 +345,7 @@ Job make_job(StorePtr store, int rank, int world_size, const std::string& backen
   job.timeout = timeout;
   job.gloo_address = gloo_address;
   job.store = std::move(store);
-  job.heartbeat_ = std::make_shared<Heartbeat>(job.store, rank);
+  job.heartbeat_ = std::make_shared<Heartbeat>(job.store, rank, timeout);
   const bool shm = shared_memory && backend == "gloo" && device.is_cpu();
   job.stream = make_stream(job.store, "main", backend, rank, world_size, device, gloo_address, timeout, shm);
   job.quick = backend == "nccl" || world_size == 1
@@ -308,9 +358,11 @@ Job join_job(const WorkerEnv& env, const std::string& backend, torch::Device dev
              std::chrono::milliseconds timeout, const std::vector<std::pair<std::string, std::string>>& settings) {
   use_device(device);
   const StorePtr store = open_job_store(env, timeout);
-  const auto [rank, world_size] = env.rank < 0 ? agree_on_ranks(*store, env, timeout)
+  const StoreClient client(store, timeout,
+                           "the rendezvous store at " + env.master_addr + ":" + std::to_string(env.master_port));
+  const auto [rank, world_size] = env.rank < 0 ? agree_on_ranks(client, env, timeout)
                                                : std::pair<int, int>{env.rank, env.world_size};
-  check_settings(*store, rank, world_size, settings, timeout);
+  check_settings(client, rank, world_size, settings, timeout);
   // A CPU job on one host sums through shared memory (shared_memory.hpp).
   const bool one_host = world_size == env.local_world_size;
   Job job = make_job(store, rank, world_size, backend, device, timeout, one_host,

@@ -3,10 +3,12 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <exception>
 
 #include "mnist_ddp/base/errors.hpp"
 #include "mnist_ddp/base/port.hpp"
@@ -68,7 +70,86 @@ bool libuv_available() {
   return available;
 }
 
+// Raises the soft limit of open files to the hard one: a store host holds a
+// descriptor per connection, and the common soft limit of 1024 is soon
+// spent by connections that are not the job's.
+void raise_open_file_limit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &limit);
+  }
+}
+
+// What the terminate handler names: the store this process hosts.
+std::string g_hosted;
+
+// LibTorch's server loop lets an error escape its thread when it cannot
+// accept a connection (out of descriptors): one line saying so instead of
+// an abort; the workers die with their launcher (PR_SET_PDEATHSIG).
+[[noreturn]] void one_line_instead_of_abort() {
+  std::string why = "an unexpected error";
+  try {
+    if (const std::exception_ptr e = std::current_exception()) std::rethrow_exception(e);
+  } catch (const std::exception& e) {
+    why = error_line(e);
+  } catch (...) {
+  }
+  rlimit limit{};
+  getrlimit(RLIMIT_NOFILE, &limit);
+  if (why.find("Too many open files") != std::string::npos || why.find("errno 24") != std::string::npos ||
+      why.find("errno: 24") != std::string::npos)
+    why = g_hosted + " ran out of file descriptors (" + std::to_string(limit.rlim_cur) +
+          ", ulimit -n): too many connections to it from other processes; raise the limit or stop them (" + why + ")";
+  const std::string line = "mnist_ddp: error: " + why + "\n";
+  if (write(STDERR_FILENO, line.data(), line.size()) < 0) {
+  }
+  _exit(1);
+}
+
 }  // namespace
+
+StoreClient::StoreClient(StorePtr store, std::chrono::milliseconds timeout, std::string where)
+    : store_(std::move(store)), timeout_(timeout), where_(std::move(where)), stalls_(std::make_shared<Stalls>()) {}
+
+void StoreClient::set(const std::string& key, const std::string& value) const {
+  request([store = store_, key, value] { store->set(key, bytes_of(value)); });
+}
+
+std::string StoreClient::get(const std::string& key) const {
+  return request([store = store_, key] { return text_of(store->get(key)); });
+}
+
+int64_t StoreClient::add(const std::string& key, int64_t delta) const {
+  return request([store = store_, key, delta] { return store->add(key, delta); });
+}
+
+bool StoreClient::check(const std::vector<std::string>& keys) const {
+  return request([store = store_, keys] { return store->check(keys); });
+}
+
+std::string StoreClient::compare_set(const std::string& key, const std::string& expected,
+                                     const std::string& desired) const {
+  return request([store = store_, key, expected, desired] {
+    return text_of(store->compareSet(key, bytes_of(expected), bytes_of(desired)));
+  });
+}
+
+std::vector<std::string> StoreClient::wait(const std::vector<std::string>& keys, std::chrono::milliseconds limit) const {
+  // Polled rather than the store's own wait: every request is one bounded
+  // call, and a stalled store is told from keys that are missing.
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  auto pause = std::chrono::milliseconds(1);
+  for (;;) {
+    std::vector<std::string> missing;
+    if (!check(keys))
+      for (const auto& k : keys)
+        if (!check({k})) missing.push_back(k);
+    if (missing.empty() || std::chrono::steady_clock::now() >= deadline) return missing;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+  }
+}
 
 std::atomic<uint32_t>& store_bind_address() {
   static std::atomic<uint32_t> address{INADDR_NONE};
@@ -77,6 +158,7 @@ std::atomic<uint32_t>& store_bind_address() {
 
 c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port, bool host,
                                               std::chrono::milliseconds timeout) {
+  raise_open_file_limit();
   c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(port);
   so.isServer = host;
@@ -84,11 +166,20 @@ c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port,
   so.timeout = timeout;
   port::set_store_libuv(so, libuv_available());
   const in_addr_t address = host ? ipv4_address(addr) : INADDR_NONE;
+  const std::string unreachable = "could not reach the rendezvous store at " + addr + ":" + std::to_string(port) +
+                                  " within " + std::to_string(timeout.count() / 1000) + " s";
   try {
+    if (!host)  // a client's constructor may ask the server something (2.x): bounded
+      return StoreClient::within(timeout + std::chrono::seconds(1), unreachable + " (it did not answer)",
+                                 [addr, so] { return c10::make_intrusive<c10d::TCPStore>(addr, so); });
     store_bind_address() = address;
     auto store = c10::make_intrusive<c10d::TCPStore>(addr, so);
     store_bind_address() = INADDR_NONE;
+    g_hosted = "the rendezvous store at " + addr + ":" + std::to_string(store->getPort());
+    std::set_terminate(one_line_instead_of_abort);
     return store;
+  } catch (const StoreStalled&) {
+    throw;
   } catch (const std::exception& e) {
     store_bind_address() = INADDR_NONE;
     const std::string why = error_line(e);
@@ -98,9 +189,19 @@ c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port,
                         " is already in use on this machine; choose another port or 0 for a free one");
       throw std::runtime_error("cannot host the rendezvous store at " + addr + ":" + std::to_string(port) + ": " + why);
     }
-    throw std::runtime_error("could not reach the rendezvous store at " + addr + ":" + std::to_string(port) +
-                             " within " + std::to_string(timeout.count() / 1000) + " s (" + why + ")");
+    throw std::runtime_error(unreachable + " (" + why + ")");
   }
+}
+
+void close_store(c10::intrusive_ptr<c10d::TCPStore>& store) {
+  if (!store) return;
+  auto closed = std::make_shared<std::promise<void>>();
+  auto done = closed->get_future();
+  std::thread([store = std::move(store), closed]() mutable {
+    store.reset();
+    closed->set_value();
+  }).detach();
+  done.wait_for(std::chrono::seconds(1));
 }
 
 std::string store_kind() { return libuv_available() ? "libuv" : "classic"; }

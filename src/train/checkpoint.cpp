@@ -1,28 +1,19 @@
 #include "mnist_ddp/train/checkpoint.hpp"
-#include "mnist_ddp/base/files.hpp"
-
-#include <fcntl.h>
-#include <unistd.h>
-#include <zlib.h>
 
 #include <torch/csrc/jit/serialization/pickle.h>
 
-#include <cerrno>
-#include <cinttypes>
-#include <cstdio>
-#include <cstring>
-#include <fstream>
+#include <algorithm>
+#include <cstdlib>
 #include <set>
 #include <sstream>
+
+#include "mnist_ddp/base/files.hpp"
 
 namespace mnist_ddp {
 namespace {
 
-constexpr const char* kFormat = "mnist_ddp checkpoint 1";
-
-[[noreturn]] void fail(const std::string& what, const std::string& path) {
-  throw std::runtime_error("cannot write " + path + ": " + what + ": " + std::strerror(errno));
-}
+const char* const kManifest = "manifest";
+const char* const kPrevious = "manifest.previous";  // the checkpoint before the newest
 
 void add_state(const torch::nn::Module& module, const std::string& prefix, TensorDict& out) {
   for (const auto& p : module.named_parameters(/*recurse=*/false))
@@ -32,82 +23,76 @@ void add_state(const torch::nn::Module& module, const std::string& prefix, Tenso
   for (const auto& child : module.named_children()) add_state(*child.value(), prefix + child.key() + ".", out);
 }
 
-uint32_t crc_of(const std::vector<char>& bytes) {
-  uLong crc = crc32(0L, Z_NULL, 0);
-  for (size_t at = 0; at < bytes.size(); at += 1u << 30) {
-    const auto n = static_cast<uInt>(std::min<size_t>(bytes.size() - at, 1u << 30));
-    crc = crc32(crc, reinterpret_cast<const Bytef*>(bytes.data() + at), n);
+// Names a save makes: its data files, and the temporary files of one cut short.
+bool is_data_file(const std::string& name) { return name.rfind("model-", 0) == 0 || name.rfind("training-", 0) == 0; }
+bool is_leftover(const std::string& name) { return name.find(".tmp.") != std::string::npos; }
+
+// The checkpoint `manifest_name` in `dir` describes, every file verified
+// against its size and CRC32. Throws CheckpointError saying what is wrong.
+CheckpointFiles read_files(const files::Directory& dir, const std::string& manifest_name) {
+  CheckpointFiles out;
+  out.dir = dir.path();
+  out.manifest_name = manifest_name;
+  auto read = [&](const std::string& name) {
+    try {
+      return dir.read(name);
+    } catch (const std::exception& e) {
+      throw CheckpointError(e.what());
+    }
+  };
+  out.manifest = read(manifest_name);
+  const Manifest m = parse_manifest(std::string(out.manifest.begin(), out.manifest.end()), dir.path_of(manifest_name));
+  for (const auto& [role, f] : m.files) {
+    const std::string path = dir.path_of(f.name);
+    if (!dir.has(f.name)) throw CheckpointError("checkpoint file " + path + " is missing");
+    std::vector<char> bytes = read(f.name);
+    if (bytes.size() != f.size)
+      throw CheckpointError("checkpoint file " + path + " is truncated (" + std::to_string(bytes.size()) + " of " +
+                            std::to_string(f.size) + " bytes)");
+    if (crc32_of(bytes.data(), bytes.size()) != f.crc)
+      throw CheckpointError("checkpoint file " + path + " is corrupt (CRC32 mismatch)");
+    (role == "model" ? out.model : out.training) = std::move(bytes);
   }
-  return static_cast<uint32_t>(crc);
+  return out;
 }
 
-std::vector<char> read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw CheckpointError("cannot read " + path + ": " + std::strerror(errno));
-  return std::vector<char>(std::istreambuf_iterator<char>(in), {});
-}
-
-void sync_directory(const std::string& dir) {
-  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    fsync(fd);
-    close(fd);
+// The checkpoint `manifest_name` describes, if it is whole; nullopt if not.
+std::optional<Manifest> intact(const files::Directory& dir, const std::string& manifest_name) {
+  if (!dir.has(manifest_name)) return std::nullopt;
+  try {
+    const CheckpointFiles f = read_files(dir, manifest_name);
+    return parse_manifest(std::string(f.manifest.begin(), f.manifest.end()), dir.path_of(manifest_name));
+  } catch (const std::exception&) {
+    return std::nullopt;
   }
 }
 
-struct ManifestFile {
-  std::string name;
-  uint64_t size = 0;
-  uint32_t crc = 0;
-};
-
-const char* const kManifest = "manifest";
-const char* const kPrevious = "manifest.previous";  // the checkpoint before the newest
-
-std::map<std::string, ManifestFile> parse_manifest(const std::string& text, const std::string& manifest, Checkpoint& c);
-
-// The generation of the checkpoint in `dir`, 0 if there is none.
-int64_t current_generation(const std::string& dir) {
-  std::ifstream in(files::join(dir, "manifest"));
-  std::string line;
-  while (std::getline(in, line)) {
-    int64_t generation = 0;
-    if (std::sscanf(line.c_str(), "generation %" SCNd64, &generation) == 1) return generation;
+// The generation for the next save: above every one `dir` holds a trace
+// of, so that no save reuses the name of a file a manifest may still name.
+int64_t next_generation(const files::Directory& dir) {
+  int64_t newest = 0;
+  for (const std::string& name : dir.list()) {
+    if (!is_data_file(name)) continue;
+    newest = std::max<int64_t>(newest, std::atoll(name.c_str() + name.find('-') + 1));
   }
-  return 0;
+  for (const char* manifest : {kManifest, kPrevious}) {
+    if (!dir.has(manifest)) continue;
+    try {
+      const std::vector<char> text = dir.read(manifest);
+      newest = std::max(newest, parse_manifest(std::string(text.begin(), text.end()), manifest).generation);
+    } catch (const std::exception&) {
+      // A damaged manifest: its files' names were counted above.
+    }
+  }
+  return newest + 1;
 }
 
 }  // namespace
 
 void write_file_atomically(const std::string& path, const std::vector<char>& bytes) {
-  const std::string tmp = path + ".tmp." + std::to_string(getpid());
-  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail("open", tmp);
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int saved = errno;
-      close(fd);
-      unlink(tmp.c_str());
-      errno = saved;
-      fail("write", tmp);
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (fsync(fd) != 0 || close(fd) != 0) {
-    const int saved = errno;
-    unlink(tmp.c_str());
-    errno = saved;
-    fail("fsync", tmp);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int saved = errno;
-    unlink(tmp.c_str());
-    errno = saved;
-    fail("rename", path);
-  }
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  files::Directory::open(dir).write_atomically(path.substr(slash == std::string::npos ? 0 : slash + 1), bytes);
 }
 
 TensorDict state_dict(const torch::nn::Module& module) {
@@ -164,173 +149,106 @@ void load_state_dict(torch::nn::Module& module, const TensorDict& state, const s
   }
 }
 
-void save_state_dict(const std::string& path, const TensorDict& state) { write_file_atomically(path, serialize(state)); }
 
-void save_checkpoint(const std::string& dir, const Checkpoint& c,
+void save_checkpoint(const std::string& path, const Checkpoint& c,
                      const std::function<void(const std::string&)>& after_each_write) {
   auto done = [&](const std::string& what) {
     if (after_each_write) after_each_write(what);
   };
-  files::make_directories(dir);
+  const files::Directory dir = files::Directory::open_own(path, /*create=*/true);
 
-  // Fresh names for every save: the current manifest's files are never touched.
-  const std::string generation = std::to_string(current_generation(dir) + 1);
-  std::vector<std::pair<std::string, ManifestFile>> files;
+  // Fresh names for every save: no file a manifest names is ever touched.
+  Manifest m;
+  m.generation = next_generation(dir);
+  m.counters = static_cast<const CheckpointCounters&>(c);
   for (const auto& [role, state] : {std::pair<std::string, const TensorDict*>{"model", &c.model}, {"training", &c.training}}) {
     const std::vector<char> bytes = serialize(*state);
-    ManifestFile f{role + "-" + generation + ".pt", bytes.size(), crc_of(bytes)};
-    write_file_atomically(files::join(dir, f.name), bytes);
+    const ManifestFile f{role + "-" + std::to_string(m.generation) + ".pt", bytes.size(), crc32_of(bytes.data(), bytes.size())};
+    dir.write_atomically(f.name, bytes);
     done("wrote " + f.name);
-    files.emplace_back(role, f);
+    m.files[role] = f;
   }
-
-  std::ostringstream m;
-  char best[64];
-  std::snprintf(best, sizeof best, "%.17g", c.best_accuracy);
-  m << kFormat << "\n"
-    << "generation " << generation << "\n"
-    << "epoch " << c.epoch << "\n"
-    << "batch " << c.batch << "\n"
-    << "step " << c.step << "\n"
-    << "best_accuracy " << best << "\n"
-    << "world_size " << c.world_size << "\n"
-    << "compression " << c.compression << "\n";
-  for (const auto& [role, f] : files) {
-    char crc[16];
-    std::snprintf(crc, sizeof crc, "%08x", f.crc);
-    m << "file " << role << " " << f.name << " " << f.size << " " << crc << "\n";
-  }
-  for (const auto& [name, value] : c.arguments) m << "arg " << name << " " << value << "\n";
-  const std::string text = m.str();
-  // The checkpoint being replaced stays, as the previous one. A kill between
-  // the two renames leaves both manifests naming the same checkpoint.
-  const std::string manifest = files::join(dir, kManifest), previous = files::join(dir, kPrevious);
-  if (files::exists(manifest)) write_file_atomically(previous, read_bytes(manifest));
-  write_file_atomically(manifest, std::vector<char>(text.begin(), text.end()));
-  sync_directory(dir);
+  // The newest checkpoint becomes the previous one only if it is whole: a
+  // damaged newest (a run that resumed from the previous one) must not
+  // push out the checkpoint that is. A kill between the two renames leaves
+  // both manifests naming the same checkpoint.
+  const std::optional<Manifest> newest = intact(dir, kManifest);
+  if (newest) dir.write_atomically(kPrevious, dir.read(kManifest));
+  const std::string text = manifest_text(m);
+  dir.write_atomically(kManifest, std::vector<char>(text.begin(), text.end()));
+  dir.sync();
   done("wrote manifest");
 
-  // What neither manifest refers to: older checkpoints, and leftovers of
-  // saves that were interrupted.
+  // What neither manifest names: older checkpoints, and leftovers of saves
+  // that were cut short.
   std::set<std::string> keep{kManifest, kPrevious};
-  for (const auto& [role, f] : files) keep.insert(f.name);
-  if (files::exists(previous)) {
-    try {
-      const std::vector<char> bytes = read_bytes(previous);
-      Checkpoint ignored;
-      for (const auto& [role, f] : parse_manifest(std::string(bytes.begin(), bytes.end()), previous, ignored))
-        keep.insert(f.name);
-    } catch (const CheckpointError&) {
-      // An unreadable previous manifest keeps nothing alive.
-    }
-  }
-  for (const auto& name : files::list_directory(dir)) {
-    const bool ours = name.rfind("model-", 0) == 0 || name.rfind("training-", 0) == 0 || name.find(".tmp.") != std::string::npos;
-    if (ours && !keep.count(name)) files::remove_file(files::join(dir, name));
-  }
+  for (const auto& [role, f] : m.files) keep.insert(f.name);
+  const std::optional<Manifest> previous = newest ? newest : intact(dir, kPrevious);
+  if (previous)
+    for (const auto& [role, f] : previous->files) keep.insert(f.name);
+  for (const auto& name : dir.list())
+    if ((is_data_file(name) || is_leftover(name)) && !keep.count(name)) dir.remove(name);
   done("removed stale files");
 }
 
-bool has_checkpoint(const std::string& dir) { return files::exists(files::join(dir, "manifest")); }
-
-namespace {
-
-// The manifest's counters and arguments into `c`, its files by role.
-std::map<std::string, ManifestFile> parse_manifest(const std::string& text, const std::string& manifest, Checkpoint& c) {
-  std::istringstream in(text);
-  std::string line;
-  if (!std::getline(in, line) || line != kFormat)
-    throw CheckpointError(manifest + " is not a mnist_ddp checkpoint manifest");
-  std::map<std::string, ManifestFile> files;
-  while (std::getline(in, line)) {
-    std::istringstream words(line);
-    std::string key;
-    words >> key;
-    if (key == "epoch") words >> c.epoch;
-    else if (key == "batch") words >> c.batch;
-    else if (key == "step") words >> c.step;
-    else if (key == "best_accuracy") words >> c.best_accuracy;
-    else if (key == "world_size") words >> c.world_size;
-    else if (key == "compression") words >> c.compression;
-    else if (key == "file") {
-      std::string role, crc;
-      ManifestFile f;
-      words >> role >> f.name >> f.size >> crc;
-      f.crc = static_cast<uint32_t>(std::stoul(crc, nullptr, 16));
-      files[role] = f;
-    } else if (key == "arg") {
-      std::string name, value;
-      words >> name;
-      std::getline(words >> std::ws, value);
-      c.arguments.emplace_back(name, value);
-    }
-    if (words.fail() && key != "arg") throw CheckpointError(manifest + ": cannot read the line '" + line + "'");
-  }
-  for (const std::string role : {"model", "training"})
-    if (!files.count(role)) throw CheckpointError(manifest + " names no " + role + " file");
-  return files;
+bool has_checkpoint(const std::string& dir) {
+  return files::exists(files::join(dir, kManifest)) || files::exists(files::join(dir, kPrevious));
 }
 
-}  // namespace
-
-namespace {
-
-// The checkpoint that `manifest_name` in `dir` describes, verified.
-CheckpointFiles read_files(const std::string& dir, const std::string& manifest_name) {
-  const std::string manifest = files::join(dir, manifest_name);
-  CheckpointFiles out;
-  out.dir = dir;
-  out.manifest_name = manifest_name;
-  out.manifest = read_bytes(manifest);
-  Checkpoint counters;
-  for (const auto& [role, f] : parse_manifest(std::string(out.manifest.begin(), out.manifest.end()), manifest, counters)) {
-    const std::string path = files::join(dir, f.name);
-    if (!files::exists(path)) throw CheckpointError("checkpoint file " + path + " is missing");
-    std::vector<char> bytes = read_bytes(path);
-    if (bytes.size() != f.size)
-      throw CheckpointError("checkpoint file " + path + " is truncated (" + std::to_string(bytes.size()) + " of " +
-                            std::to_string(f.size) + " bytes)");
-    if (crc_of(bytes) != f.crc) throw CheckpointError("checkpoint file " + path + " is corrupt (CRC32 mismatch)");
-    (role == "model" ? out.model : out.training) = std::move(bytes);
-  }
+std::vector<std::string> checkpoint_leftovers(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& name : files::list_directory(dir))
+    if (name != kManifest && name != kPrevious) out.push_back(name);
+  std::sort(out.begin(), out.end());
   return out;
 }
 
-}  // namespace
-
-CheckpointFiles read_checkpoint_files(const std::string& dir) {
-  if (!files::is_directory(dir)) throw CheckpointError(dir + " is not a directory holding a checkpoint");
-  if (!files::exists(files::join(dir, kManifest))) throw CheckpointError("no checkpoint in " + dir + " (it has no manifest)");
+CheckpointFiles read_checkpoint_files(const std::string& path) {
+  if (!files::is_directory(path)) throw CheckpointError(path + " is not a directory holding a checkpoint");
+  files::Directory dir;
   try {
-    return read_files(dir, kManifest);
-  } catch (const CheckpointError& newest) {
-    if (!files::exists(files::join(dir, kPrevious))) throw;
+    dir = files::Directory::open(path);
+  } catch (const std::exception& e) {
+    throw CheckpointError(e.what());
+  }
+  if (!dir.has(kManifest) && !dir.has(kPrevious)) {
+    const auto found = checkpoint_leftovers(path);
+    throw CheckpointError("no checkpoint in " + path + ": it has no manifest" +
+                          (found.empty() ? std::string(" (it is empty)") : ", only " + found.front() + (found.size() > 1 ? " and " + std::to_string(found.size() - 1) + " more" : "")));
+  }
+  std::string newest_wrong = "its newest checkpoint has no manifest";
+  if (dir.has(kManifest)) {
     try {
-      CheckpointFiles out = read_files(dir, kPrevious);
-      out.fallback = std::string(newest.what()) + "; using the checkpoint before it";
-      return out;
-    } catch (const CheckpointError&) {
-      throw newest;
+      return read_files(dir, kManifest);
+    } catch (const CheckpointError& e) {
+      if (!dir.has(kPrevious)) throw;
+      newest_wrong = e.what();
     }
+  }
+  try {
+    CheckpointFiles out = read_files(dir, kPrevious);
+    out.fallback = newest_wrong + "; using the checkpoint before it (" + dir.path_of(kPrevious) + ")";
+    return out;
+  } catch (const CheckpointError& e) {
+    if (dir.has(kManifest)) throw CheckpointError(newest_wrong + "; and the checkpoint before it: " + e.what());
+    throw CheckpointError(path + ": " + newest_wrong + ", and the checkpoint before it: " + e.what());
   }
 }
 
 Checkpoint parse_checkpoint(const CheckpointFiles& f) {
+  const Manifest m = parse_manifest(std::string(f.manifest.begin(), f.manifest.end()), files::join(f.dir, f.manifest_name));
   Checkpoint c;
-  const std::string manifest = files::join(f.dir, f.manifest_name);
-  const auto named = parse_manifest(std::string(f.manifest.begin(), f.manifest.end()), manifest, c);
-  c.model = deserialize(f.model, "checkpoint file " + files::join(f.dir, named.at("model").name));
-  c.training = deserialize(f.training, "checkpoint file " + files::join(f.dir, named.at("training").name));
+  static_cast<CheckpointCounters&>(c) = m.counters;
+  c.model = deserialize(f.model, "checkpoint file " + files::join(f.dir, m.files.at("model").name));
+  c.training = deserialize(f.training, "checkpoint file " + files::join(f.dir, m.files.at("training").name));
   return c;
 }
 
 std::optional<Checkpoint> read_manifest(const std::string& dir) {
-  const std::string manifest = files::join(dir, "manifest");
-  if (!files::exists(manifest)) return std::nullopt;
   try {
-    const std::vector<char> text = read_bytes(manifest);
+    const CheckpointFiles f = read_checkpoint_files(dir);
     Checkpoint c;
-    parse_manifest(std::string(text.begin(), text.end()), manifest, c);
+    static_cast<CheckpointCounters&>(c) = parse_manifest(std::string(f.manifest.begin(), f.manifest.end()), f.manifest_name).counters;
     return c;
   } catch (const std::exception&) {
     return std::nullopt;

@@ -15,7 +15,10 @@ constexpr int kSide = 28;
 constexpr double kMean = 0.1307;
 constexpr double kStd = 0.3081;
 
-// zlib's gzread passes files that are not gzip through unchanged.
+// zlib's gzread passes files that are not gzip through unchanged. Of a gzip
+// file it checks the CRC32 and length in the trailer once the data is read
+// to its end, which expect_end() does: a damaged file fails there or
+// earlier, in inflate, never silently.
 class IdxFile {
  public:
   explicit IdxFile(const std::string& path) : path_(path), file_(gzopen(path.c_str(), "rb"), &gzclose) {
@@ -29,12 +32,10 @@ class IdxFile {
     while (done < n) {
       const unsigned chunk = static_cast<unsigned>(std::min<size_t>(n - done, 1u << 30));
       const int got = gzread(file_.get(), p + done, chunk);
-      if (got <= 0) {
-        int err = Z_OK;
-        const char* msg = gzerror(file_.get(), &err);
+      if (got < 0) throw_corrupt();
+      if (got == 0)
         throw DataError("data file " + path_ + ": truncated, " + what + " end after " + std::to_string(done) +
-                        " of " + std::to_string(n) + " bytes" + (err != Z_OK && err != Z_BUF_ERROR ? std::string(" (") + msg + ")" : ""));
-      }
+                        " of " + std::to_string(n) + " bytes");
       done += static_cast<size_t>(got);
     }
   }
@@ -61,11 +62,19 @@ class IdxFile {
 
   void expect_end() {
     unsigned char extra;
-    if (gzread(file_.get(), &extra, 1) > 0)
-      throw DataError("data file " + path_ + ": has bytes past the end its header announces");
+    const int got = gzread(file_.get(), &extra, 1);
+    if (got < 0) throw_corrupt();
+    if (got > 0) throw DataError("data file " + path_ + ": has bytes past the end its header announces");
   }
 
  private:
+  [[noreturn]] void throw_corrupt() {
+    int err = Z_OK;
+    const char* msg = gzerror(file_.get(), &err);
+    throw DataError("data file " + path_ + ": the gzip data is damaged (" + (msg && *msg ? msg : "read error") +
+                    "); fetch it again: bash scripts/fetch_data.sh");
+  }
+
   std::string path_;
   std::unique_ptr<gzFile_s, int (*)(gzFile)> file_;
 };
@@ -124,6 +133,16 @@ void check_dataset_files(const std::string& data_dir, const std::string& dataset
     const auto labels = IdxFile(f.labels).header(1);
     check_shapes(f, images, labels);
   }
+}
+
+int64_t dataset_bytes(const std::string& data_dir, const std::string& dataset) {
+  int64_t bytes = 0;
+  for (bool train : {true, false}) {
+    const SplitFiles f = split_files(data_dir, dataset, train);
+    const int64_t images = IdxFile(f.images).header(3)[0];
+    bytes += images * (kSide * kSide * static_cast<int64_t>(sizeof(float)) + static_cast<int64_t>(sizeof(int64_t)));
+  }
+  return bytes;
 }
 
 Dataset load_dataset(const std::string& data_dir, const std::string& dataset, bool train) {

@@ -4,31 +4,29 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <sstream>
 #include <stdexcept>
 
-#include "mnist_ddp/base/files.hpp"
-#include "mnist_ddp/train/checkpoint.hpp"
 
 namespace mnist_ddp {
 
 // ---- metrics.csv ----
 
-MetricsFile::MetricsFile(const std::string& file, int64_t resumed_step) {
-  std::vector<std::string> kept;
-  if (resumed_step >= 0) {
-    std::ifstream in(file);
+MetricsFile::MetricsFile(const files::Directory& dir, int64_t resumed_step) {
+  std::string text = std::string(kHeader) + "\n";
+  if (resumed_step >= 0 && dir.has(kFile)) {
+    const std::vector<char> bytes = dir.read(kFile);
+    std::istringstream in(std::string(bytes.begin(), bytes.end()));
     std::string line;
     std::getline(in, line);
     while (std::getline(in, line)) {
       const size_t comma = line.find(',');
-      if (comma != std::string::npos && std::atoll(line.c_str() + comma + 1) <= resumed_step) kept.push_back(line);
+      if (comma != std::string::npos && std::atoll(line.c_str() + comma + 1) <= resumed_step) text += line + "\n";
     }
   }
-  out_.open(file, std::ios::trunc);
-  if (!out_) throw std::runtime_error("cannot write " + file);
-  out_ << kHeader << "\n";
-  for (const auto& line : kept) out_ << line << "\n";
-  out_.flush();
+  dir.write_atomically(kFile, std::vector<char>(text.begin(), text.end()));
+  out_ = dir.append(kFile);
 }
 
 void MetricsFile::restart_rows() {
@@ -44,16 +42,14 @@ void MetricsFile::count_step(int64_t images, int64_t wire_bytes) {
 
 void MetricsFile::train(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - row_start_).count();
-  out_ << fmt::format("{},{},train,{:.6f},{:.4f},{:.4f},{:.6g},{:.1f},{:.0f}\n", epoch, step, loss, top1, top5, lr,
-                      static_cast<double>(row_images_) / seconds,
-                      static_cast<double>(row_bytes_) / static_cast<double>(std::max<int64_t>(1, row_steps_)));
-  out_.flush();
+  out_.write(fmt::format("{},{},train,{:.6f},{:.4f},{:.4f},{:.6g},{:.1f},{:.0f}\n", epoch, step, loss, top1, top5, lr,
+                         static_cast<double>(row_images_) / seconds,
+                         static_cast<double>(row_bytes_) / static_cast<double>(std::max<int64_t>(1, row_steps_))));
   restart_rows();
 }
 
 void MetricsFile::test(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr) {
-  out_ << fmt::format("{},{},test,{:.6f},{:.4f},{:.4f},{:.6g},,\n", epoch, step, loss, top1, top5, lr);
-  out_.flush();
+  out_.write(fmt::format("{},{},test,{:.6f},{:.4f},{:.4f},{:.6g},,\n", epoch, step, loss, top1, top5, lr));
 }
 
 std::string progress_line(int64_t epoch, int64_t done, int64_t total, double images_per_s, double loss,
@@ -132,14 +128,18 @@ Json summary_head(const Arguments& arguments, const Runtime& r, const Job& job, 
   return head;
 }
 
-RunSummary::RunSummary(const std::string& path, Json head, int64_t resumed_epoch)
-    : file_(files::join(path, "summary.json")), root_(std::move(head)) {
+RunSummary::RunSummary(const files::Directory& dir, Json head, int64_t resumed_epoch)
+    : dir_(dir), root_(std::move(head)) {
   root_["finished"] = false;
   Json epochs = Json::array();
-  if (resumed_epoch >= 0 && files::exists(file_)) {
+  if (resumed_epoch >= 0 && dir.has(kFile)) {
     // An unreadable summary of an earlier run: this run's epochs only.
-    std::ifstream in(file_);
-    const Json earlier = Json::parse(in, nullptr, /*allow_exceptions=*/false);
+    std::vector<char> bytes;
+    try {
+      bytes = dir.read(kFile);
+    } catch (const std::exception&) {
+    }
+    const Json earlier = Json::parse(bytes.begin(), bytes.end(), nullptr, /*allow_exceptions=*/false);
     if (earlier.is_object() && earlier.contains("epochs") && earlier["epochs"].is_array())
       for (const Json& e : earlier["epochs"])
         if (e.is_object() && e.value("epoch", resumed_epoch) < resumed_epoch) epochs.push_back(e);
@@ -198,7 +198,7 @@ void RunSummary::finish(const StepStats& s, int64_t uncompressed_bytes_per_step,
 void RunSummary::write() const {
   // Full precision, and null for what JSON cannot hold (NaN, infinity).
   const std::string text = root_.dump(2) + "\n";
-  write_file_atomically(file_, std::vector<char>(text.begin(), text.end()));
+  dir_.write_atomically(kFile, std::vector<char>(text.begin(), text.end()));
 }
 
 }  // namespace mnist_ddp

@@ -4,6 +4,12 @@
 #include <ATen/core/Generator.h>
 #include <spdlog/spdlog.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <sstream>
 #include <type_traits>
 
@@ -50,14 +56,55 @@ std::vector<std::pair<std::string, torch::Tensor>> own_state(const TrainingParts
   return own;
 }
 
+// The value of argument `name` a checkpoint recorded; "" when it has none.
+std::string recorded(const Checkpoint& c, const std::string& name) {
+  for (const auto& [key, value] : c.arguments)
+    if (key == name) return value;
+  return "";
+}
+
+std::string now_given(const Options& opts, const std::string& name) {
+  for (const auto& [key, value] : opts.arguments)
+    if (key == name) return value;
+  return "";
+}
+
+// The arguments besides --compression that shape the hook's state:
+// PowerSGD's knobs, and the buckets its memories are kept by.
+const std::vector<std::string> kHookArguments = {"powersgd_rank", "start_powersgd_iter", "min_compression_rate",
+                                                 "no_error_feedback", "no_warm_start", "orthogonalization_epsilon",
+                                                 "powersgd_seed", "bucket_cap_mb"};
+
 }  // namespace
 
 std::string checkpoint_dir(const Options& opts) { return files::join(opts.path, "checkpoint"); }
 
 std::string resume_dir(const Options& opts) {
   if (opts.resume != "auto") return opts.resume;
+  // A fresh start only where there is truly nothing: no such directory, or
+  // one without a manifest (empty, or a first save cut short before its
+  // manifest). Anything else is resumed from, or refused saying why.
   const std::string dir = checkpoint_dir(opts);
-  return has_checkpoint(dir) ? dir : "";
+  struct stat st;
+  if (lstat(dir.c_str(), &st) != 0 && errno == ENOENT) return "";
+  const bool readable = S_ISDIR(st.st_mode) && access(dir.c_str(), R_OK | X_OK) == 0;
+  return readable && !has_checkpoint(dir) ? "" : dir;
+}
+
+void check_resumable(const Checkpoint& c, const Options& opts, const std::string& dir) {
+  const std::string dataset = recorded(c, "dataset");
+  if (!dataset.empty() && dataset != opts.dataset)
+    throw UsageError("--dataset " + opts.dataset + ": the checkpoint in " + dir + " was trained on " + dataset +
+                     ", whose position and best accuracy mean nothing for " + opts.dataset + "; resume it with "
+                     "--dataset " + dataset + ", or start afresh with another --path (or without --resume)");
+}
+
+int64_t resumed_batch(const Checkpoint& c, int64_t batch_size, int world_size) {
+  const std::string given = recorded(c, "batch_size");
+  const int64_t before = given.empty() ? batch_size : std::max<int64_t>(1, std::atoll(given.c_str()));
+  const int64_t images = c.batch * before * c.world_size;  // of the epoch, over every rank
+  const int64_t per_step = batch_size * world_size;
+  return (images + per_step - 1) / per_step;
 }
 
 std::optional<Checkpoint> receive_checkpoint(const Options& opts, Job& job) {
@@ -71,25 +118,55 @@ std::optional<Checkpoint> receive_checkpoint(const Options& opts, Job& job) {
   }
   job.stream->broadcast_bytes(files.manifest);
   if (files.manifest.empty()) {
-    if (opts.resume == "auto") spdlog::info("No checkpoint in {}: starting afresh", checkpoint_dir(opts));
+    if (opts.resume == "auto" && job.rank == 0) {
+      const std::vector<std::string> found = checkpoint_leftovers(checkpoint_dir(opts));
+      if (found.empty())
+        spdlog::info("No checkpoint in {}: starting afresh", checkpoint_dir(opts));
+      else
+        spdlog::warn("No checkpoint in {}: it has no manifest, only {}{} (a first save cut short before its manifest "
+                     "is written), which nothing can resume from; starting afresh",
+                     checkpoint_dir(opts), found.front(), found.size() > 1 ? " and " + std::to_string(found.size() - 1) + " more" : "");
+    }
     return std::nullopt;
   }
   for (auto* bytes : {&files.model, &files.training}) job.stream->broadcast_bytes(*bytes);
-  return parse_checkpoint(files);
+  Checkpoint c = parse_checkpoint(files);
+  check_resumable(c, opts, resume_dir(opts));
+  return c;
 }
 
 Position restore(const Checkpoint& c, const TrainingParts& parts, const Options& opts, const Job& job) {
   spdlog::info("Resuming from {}: epoch {}, batch {}, step {}, best test accuracy {:.4f}%", resume_dir(opts), c.epoch,
                c.batch, c.step, c.best_accuracy);
   const bool same_world = c.world_size == job.world_size;
-  const bool same_hook = c.compression == opts.compression;
-  if (!same_world)
-    spdlog::warn("The checkpoint was written by {} ranks and this run has {}: every rank's dropout stream and "
-                 "PowerSGD error feedback start afresh",
-                 c.world_size, job.world_size);
-  if (!same_hook)
-    spdlog::warn("The checkpoint was written with --compression {}: its hook state is not used by {}", c.compression,
-                 opts.compression);
+  std::string hook_changed = c.compression == opts.compression ? "" : "--compression " + c.compression;
+  for (const std::string& name : kHookArguments) {
+    const std::string then = recorded(c, name);
+    if (hook_changed.empty() && !then.empty() && then != now_given(opts, name)) {
+      hook_changed = "--" + name + " " + then;
+      std::replace(hook_changed.begin(), hook_changed.end(), '_', '-');
+    }
+  }
+  const int64_t batch = resumed_batch(c, opts.batch_size, job.world_size);
+  if (job.rank == 0) {
+    if (!same_world)
+      spdlog::warn("The checkpoint was written by {} ranks and this run has {}: every rank's dropout stream and "
+                   "PowerSGD error feedback start afresh",
+                   c.world_size, job.world_size);
+    if (!hook_changed.empty())
+      spdlog::warn("The checkpoint was written with {}: its hook state is not used by --compression {} as this run "
+                   "sets it up",
+                   hook_changed, opts.compression);
+    const std::string seed = recorded(c, "seed");
+    if (!seed.empty() && seed != std::to_string(opts.seed))
+      spdlog::warn("The checkpoint was written with --seed {} and this run has --seed {}: the rest of epoch {} and "
+                   "every later epoch take this seed's data order",
+                   seed, opts.seed, c.epoch);
+    if (batch != c.batch)
+      spdlog::info("Epoch {} goes on from batch {} of this run's batches ({} images per step over {} ranks): as many "
+                   "of its images as the checkpoint's {} batches took, in this run's data order",
+                   c.epoch, batch, opts.batch_size * job.world_size, job.world_size, c.batch);
+  }
 
   auto& state = parts.optimizer.state();
   for (const auto& p : parts.parameters) {
@@ -105,7 +182,7 @@ Position restore(const Checkpoint& c, const TrainingParts& parts, const Options&
       g.set_state(c.training.at(own + name));
     }
   }
-  if (same_hook) {
+  if (hook_changed.empty()) {
     HookState hook;
     for (const auto& item : c.training) {
       const std::string& key = item.key();
@@ -114,7 +191,7 @@ Position restore(const Checkpoint& c, const TrainingParts& parts, const Options&
     }
     if (!hook.empty()) parts.hook.load_state(hook);
   }
-  return {c.epoch, c.batch, c.step, c.best_accuracy};
+  return {c.epoch, batch, c.step, c.best_accuracy};
 }
 
 std::optional<Checkpoint> capture(const Position& at, const torch::nn::Module& model, const TrainingParts& parts,

@@ -136,10 +136,11 @@ Trainer::Trainer(const Options& opts, const RunContext& run, Job& job)
       ddp_->parameters(), torch::optim::SGDOptions(opts.lr).momentum(opts.momentum).weight_decay(opts.weight_decay));
   if (resumed) at_ = restore(*resumed, parts(), opts, job);
   if (job.rank == 0) {
-    metrics_.emplace(files::join(opts.path, "metrics.csv"), resumed ? at_.step : -1);
+    dir_.emplace(opts.path);
+    metrics_.emplace(*dir_, resumed ? at_.step : -1);
     std::optional<ResumedFrom> from;
     if (resumed) from = ResumedFrom{resume_dir(opts), at_.epoch, at_.batch, at_.step};
-    summary_.emplace(opts.path, summary_head(run.arguments, runtime_of(job.device), job, run.nnodes, from),
+    summary_.emplace(*dir_, summary_head(run.arguments, runtime_of(job.device), job, run.nnodes, from),
                      resumed ? at_.epoch : -1);
   }
 }
@@ -194,6 +195,9 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
   double smoothed_loss = 0;  // rank 0's own, for the progress line
   auto drawn = Clock::now() - std::chrono::seconds(1);
   at_.epoch = epoch;
+  if (at_.batch >= batches)  // resumed past the end of the epoch as this run cuts it (resume.hpp)
+    spdlog::info("Epoch {} was trained to its end ({} of this run's {} batches) before the checkpoint: it is complete",
+                 epoch, at_.batch, batches);
   for (int64_t b = at_.batch; b < batches; ++b) {
     if (max_steps_reached()) {
       spdlog::info("Stopping after --max-steps {} steps", opts_.max_steps);
@@ -233,7 +237,7 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
   show_progress("");
   // The epoch is done once trained; a preemption at its last step leaves
   // its test pass to the resumed run.
-  if (at_.batch == batches && !stop_signal_) at_ = {epoch + 1, 0, at_.step, at_.best_accuracy};
+  if (at_.batch >= batches && !stop_signal_) at_ = {epoch + 1, 0, at_.step, at_.best_accuracy};
   report.end_step = at_.step;
   report.seconds = seconds_since(start);
   report.images_per_s = images / report.seconds;
@@ -304,7 +308,7 @@ void Trainer::test(EpochReport& report) {
   if (report.test_top1 > at_.best_accuracy) {
     at_.best_accuracy = report.test_top1;
     spdlog::info("Save model with best accuracy: {:.4f}%", at_.best_accuracy);
-    if (job_.rank == 0) save_state_dict(files::join(opts_.path, "mnist_model.pt"), state_dict(*ddp_));
+    if (dir_) dir_->write_atomically("mnist_model.pt", serialize(state_dict(*ddp_)));
   }
   spdlog::info("Current best test accuracy: {:.4f}%", at_.best_accuracy);
 }

@@ -5,6 +5,7 @@
 // (torchrun, Slurm) started, for itself.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -44,6 +45,18 @@ Placement plan_placement(const Options& opts, bool cuda_build, int visible_gpus)
 // --gpus-per-task=1, one-GPU pods, CUDA_VISIBLE_DEVICES narrowed per task).
 // Throws UsageError when the placement gives that rank no GPU.
 int device_of_local_rank(const Placement& placement, int local_rank);
+
+// Throws UsageError, naming the flag that set the number of workers
+// (--nproc, or --gpus and the GPUs visible), when `p.local_workers`
+// workers, each holding `bytes_per_worker` of memory, do not fit a machine
+// of `cores` cores and `available_bytes` of available memory: more than 16
+// workers a core, or more memory than is available.
+void check_workers_fit(const Options& opts, const Placement& p, int64_t bytes_per_worker, int cores,
+                       int64_t available_bytes);
+
+// This machine's memory available to new processes: MemAvailable, or the
+// cgroup's limit when that is less.
+int64_t available_memory();
 
 // Intra-op threads for each of `local_workers` processes sharing this
 // machine's cores: `omp_num_threads` when positive ($OMP_NUM_THREADS), else

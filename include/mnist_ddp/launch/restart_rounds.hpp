@@ -9,11 +9,17 @@
 // A round starts once every node is ready; it does not start when a node
 // refuses, or does not answer within the timeout.
 //
+// Anyone who reaches the store can write these keys, so what is read is
+// checked: a cause or refusal counts only as "node <k>..." with k one of
+// the job's nodes, a node is ready only at "ready"; anything else is not a
+// node's word and is ignored (a cause is overwritten). Requests are bounded
+// (store.hpp, "Note on stalls"): a stalled store asks for no restart.
+//
 // Every call runs on the calling thread and blocks at most as its comment
 // says; one object per launcher.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/Store.hpp>
+#include "mnist_ddp/comm/store.hpp"
 
 #include <chrono>
 #include <functional>
@@ -24,10 +30,11 @@ namespace mnist_ddp {
 
 class RestartRounds {
  public:
-  RestartRounds(c10d::Store& store, int node_rank, int nnodes, std::chrono::milliseconds timeout);
+  RestartRounds(StorePtr store, int node_rank, int nnodes, std::chrono::milliseconds timeout);
 
   // Another node's request for round `round`: its cause, if any. A store
-  // that is gone asks nothing (node 0 may be done). Never blocks long.
+  // that is gone or stalled asks nothing (node 0 may be done). Blocks at
+  // most 2 s.
   std::optional<std::string> requested(int round);
 
   // What joining a round came to.
@@ -50,8 +57,11 @@ class RestartRounds {
 
  private:
   std::string key(int round, const std::string& what) const;
+  // `value` as a node's message, made printable; nullopt when no node wrote it.
+  std::optional<std::string> from_a_node(const std::string& value) const;
 
-  c10d::Store& store_;
+  StoreClient poll_;   // for requested() and refuse(): short requests
+  StoreClient store_;  // for join(): requests of up to the timeout
   const int node_rank_, nnodes_;
   const std::chrono::milliseconds timeout_;
   bool store_lost_ = false;

@@ -2,8 +2,9 @@
 // either the previous file or the new one, never a torn one.
 //
 // A checkpoint directory holds:
-//   manifest              text; names the files below with their sizes and
-//                         CRC32s, and the run's counters and arguments
+//   manifest              text (manifest.hpp); names the files below with
+//                         their sizes and CRC32s, holds the run's counters
+//                         and arguments, and ends with a CRC32 of its own
 //   model-<N>.pt          the model's state dict, as Python's torch.save
 //                         writes it ("module.conv1.weight", ...)
 //   training-<N>.pt       everything else a resumed run needs, as a dict of
@@ -11,10 +12,13 @@
 //                         hook state
 //   manifest.previous     the manifest of the checkpoint before, whose
 //                         files stay until the next save
-// N is the save's generation: one more than the manifest's it replaces. The
-// data files are written first, under names no manifest refers to yet; the
-// old manifest becomes manifest.previous, the new one is renamed into place
-// last; then files neither manifest refers to are removed.
+// N is the save's generation, above any the directory holds a trace of.
+// The data files are written first, under names no manifest refers to
+// yet; the old manifest becomes manifest.previous (only if its checkpoint
+// is whole: a damaged newest never pushes out an intact previous one); the
+// new one is renamed into place last; then files neither manifest refers
+// to are removed. Every file is written through files::Directory: created
+// exclusively under an unguessable name, never through a symbolic link.
 #pragma once
 
 #include <torch/torch.h>
@@ -28,35 +32,32 @@
 #include <utility>
 #include <vector>
 
+#include "mnist_ddp/train/manifest.hpp"
+
 namespace mnist_ddp {
 
 using TensorDict = c10::Dict<std::string, torch::Tensor>;
 
-// A checkpoint that cannot be used: missing, truncated, corrupt or foreign.
-struct CheckpointError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-struct Checkpoint {
-  int64_t epoch = 0;         // the epoch to continue in
-  int64_t batch = 0;         // batches of that epoch already trained (0 at an epoch boundary)
-  int64_t step = 0;          // training steps finished
-  double best_accuracy = 0;  // best test top-1 so far, in percent
-  int world_size = 1;
-  std::string compression;
-  std::vector<std::pair<std::string, std::string>> arguments;  // the run's options
+// A checkpoint: its counters and arguments (manifest.hpp), and its tensors.
+struct Checkpoint : CheckpointCounters {
   TensorDict model;     // state dict, "module." names
   TensorDict training;  // see above; "rank/<r>/..." entries belong to rank r
 };
 
-// Writes `checkpoint` into `dir`, creating it. `after_each_write`, if
-// given, is called with a description after each file operation (tests
-// use it to interrupt a save). Throws std::runtime_error naming the file.
+// Writes `checkpoint` into `dir`, creating it; `dir` must be this user's
+// and not a symbolic link. `after_each_write`, if given, is called with a
+// description after each file operation (tests use it to interrupt a
+// save). Throws std::runtime_error naming the file.
 void save_checkpoint(const std::string& dir, const Checkpoint& checkpoint,
                      const std::function<void(const std::string&)>& after_each_write = nullptr);
 
-// Whether `dir` holds a manifest.
+// Whether `dir` holds a manifest or a previous manifest: a checkpoint to
+// resume from, or to say why not.
 bool has_checkpoint(const std::string& dir);
+
+// What `dir` holds besides manifests, sorted: for a directory without a
+// manifest, the leftovers of a first save cut short before its manifest.
+std::vector<std::string> checkpoint_leftovers(const std::string& dir);
 
 // A checkpoint's files as they are on disk: what rank 0 reads and sends to
 // the other ranks, so that every rank parses the same bytes.
@@ -68,25 +69,21 @@ struct CheckpointFiles {
 };
 
 // Reads `dir`'s newest checkpoint, verifying each file against the
-// manifest's size and CRC32; when that fails and the previous checkpoint
-// verifies, that one, saying why in `fallback`. Throws CheckpointError
-// saying what is wrong with the newest.
+// manifest's size and CRC32; when that fails, or the newest has no
+// manifest, and the previous checkpoint verifies, that one, saying why in
+// `fallback`. Throws CheckpointError saying what is wrong (with both).
 CheckpointFiles read_checkpoint_files(const std::string& dir);
 
 // Parses files read by read_checkpoint_files. Throws CheckpointError.
 Checkpoint parse_checkpoint(const CheckpointFiles& files);
 
-// The counters and arguments of `dir`'s manifest, without reading or
-// verifying the data files; nullopt when there is no readable manifest.
-// Creates no tensor: the launcher calls it between forks.
+// The counters and arguments of the checkpoint read_checkpoint_files
+// would take from `dir`, nullopt when none verifies. Creates no tensor:
+// the launcher calls it between forks.
 std::optional<Checkpoint> read_manifest(const std::string& dir);
 
 // read_checkpoint_files, then parse_checkpoint.
 Checkpoint load_checkpoint(const std::string& dir);
-
-// Writes `bytes` to a temporary file beside `path`, flushes it to disk and
-// renames it over `path`. Throws std::runtime_error naming the file.
-void write_file_atomically(const std::string& path, const std::vector<char>& bytes);
 
 // The module's state as Python's Module.state_dict() lists it: each
 // module's parameters, then its buffers, then its children, depth first;
@@ -99,9 +96,8 @@ TensorDict state_dict(const torch::nn::Module& module);
 void load_state_dict(torch::nn::Module& module, const TensorDict& state, const std::string& prefix,
                      const std::string& what);
 
-// Saves / loads a dict of tensors in the format of Python's torch.save, so
-// that torch.load(path) returns the dict.
-void save_state_dict(const std::string& path, const TensorDict& state);
+// A dict of tensors in the format of Python's torch.save, so that
+// torch.load(path) returns the dict, and back.
 std::vector<char> serialize(const TensorDict& state);
 TensorDict deserialize(const std::vector<char>& bytes, const std::string& what);
 

@@ -37,6 +37,10 @@ std::string raw_dir(const std::string& data_dir, const std::string& dataset);
 // without decoding them. Throws DataError saying how to fetch the data.
 void check_dataset_files(const std::string& data_dir, const std::string& dataset);
 
+// The memory a worker holds for both splits once loaded, from the files'
+// headers. Throws DataError as check_dataset_files does.
+int64_t dataset_bytes(const std::string& data_dir, const std::string& dataset);
+
 // Loads the training or test split and validates all of it: magic numbers,
 // 28x28 images, equal image and label counts, labels in 0..9.
 Dataset load_dataset(const std::string& data_dir, const std::string& dataset, bool train);

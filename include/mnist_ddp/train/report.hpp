@@ -13,12 +13,12 @@
 
 #include <chrono>
 #include <cstdint>
-#include <fstream>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "mnist_ddp/base/files.hpp"
 #include "mnist_ddp/base/options.hpp"
 #include "mnist_ddp/comm/rendezvous.hpp"
 #include "mnist_ddp/comm/runtime.hpp"
@@ -35,15 +35,17 @@ class MetricsFile {
  public:
   static constexpr const char* kHeader = "epoch,step,split,loss,top1,top5,lr,images_per_s,wire_bytes_per_step";
 
+  static constexpr const char* kFile = "metrics.csv";
+
   // `resumed_step` < 0: a fresh run, the file starts empty.
-  MetricsFile(const std::string& file, int64_t resumed_step);
+  MetricsFile(const files::Directory& dir, int64_t resumed_step);
   void restart_rows();  // at the start of an epoch
   void count_step(int64_t images, int64_t wire_bytes);
   void train(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr);
   void test(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr);
 
  private:
-  std::ofstream out_;
+  files::AppendFile out_;
   std::chrono::steady_clock::time_point row_start_ = std::chrono::steady_clock::now();
   int64_t row_images_ = 0, row_steps_ = 0, row_bytes_ = 0;  // all ranks' images; this rank's bytes
 };
@@ -110,7 +112,10 @@ class RunSummary {
  public:
   // A resumed run (`resumed_epoch` >= 0) keeps the earlier run's epochs
   // before `resumed_epoch` from the summary.json already in `path`.
-  RunSummary(const std::string& path, Json head, int64_t resumed_epoch);
+  static constexpr const char* kFile = "summary.json";
+
+  // `dir` (the run's, --path) outlives the summary.
+  RunSummary(const files::Directory& dir, Json head, int64_t resumed_epoch);
   void set(const std::string& key, Json value) { root_[key] = std::move(value); }
   void add_epoch(const EpochReport& e, double best_test_top1);
   void finish(const StepStats& s, int64_t uncompressed_bytes_per_step, const std::string& hook, int world_size,
@@ -118,7 +123,7 @@ class RunSummary {
   void write() const;
 
  private:
-  std::string file_;
+  const files::Directory& dir_;
   Json root_ = Json::object();
 };
 

@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "mnist_ddp/base/faults.hpp"
+#include "mnist_ddp/base/files.hpp"
 #include "mnist_ddp/base/options.hpp"
 #include "mnist_ddp/comm/rendezvous.hpp"
 #include "mnist_ddp/train/data.hpp"
@@ -74,6 +75,7 @@ class Trainer {
   StepStats stats_;
   int replica_checks_ = 0;
   int stop_signal_ = 0;  // the preemption signal the ranks agreed to stop on
+  std::optional<files::RunDirectory> dir_;  // rank 0: --path
   std::optional<MetricsFile> metrics_;  // rank 0
   std::optional<RunSummary> summary_;   // rank 0
 };
