@@ -6,8 +6,6 @@
 
 #include <sys/prctl.h>
 
-#include <random>
-
 #include "run_util.hpp"
 #include "test_util.hpp"
 
@@ -148,16 +146,12 @@ TEST_F(Launchers, KubeflowTrainerPodsLaunchOneJobAsItsNodes) {
 // worker each, and train one job; a worker killed under --max_restarts 1
 // is restarted with the other, and the job ends as the straight run does.
 TEST_F(Launchers, TorchrunsC10dRendezvousTrainsOneJobAcrossTwoAgentsAndRestarts) {
-  const std::string python = test::python_with_torch();
-  if (python.empty() || std::system((python + " -c 'import torch.distributed.run' >/dev/null 2>&1").c_str()) != 0)
-    GTEST_SKIP() << "no torchrun: install python3-torch (scripts/install_deps.sh test does)";
+  const std::string python = test::python_with_torchrun();
+  if (python.empty()) GTEST_SKIP() << "no torchrun: install python3-torch (scripts/install_deps.sh test does)";
   const std::string straight = dir_ / "straight";
   ASSERT_EQ(test::run(test::job(dir_ / "data", straight, "powersgd_fp16", {"--epochs", "1"}), dir_ / "straight.txt"), 0)
       << read_text(dir_ / "straight.txt");
-  std::mt19937 random(test::test_seed());
-  int kill_step;
-  do kill_step = 5 + static_cast<int>(random() % 11);
-  while (kill_step % 4 == 0);
+  const int kill_step = test::draw_kill_step();
   const std::string kills = "MNIST_DDP_KILL_AFTER_STEP=0:1:" + std::to_string(kill_step);
   SCOPED_TRACE(kills);
   std::vector<std::unique_ptr<Process>> agents;

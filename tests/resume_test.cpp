@@ -190,21 +190,15 @@ TEST(Resume, AKillAtEachPointOfCheckpointingLeavesAResumableOne) {
 // they go on from the newest checkpoint (--resume auto), summary.json says
 // so, and the job ends as the straight run does, bit for bit.
 TEST(Torchrun, TwoWorkersTrainAsOneJobAndARestartEndsAsTheStraightRun) {
-  const std::string python = python_with_torch();
-  if (python.empty() || std::system((python + " -c 'import torch.distributed.run' >/dev/null 2>&1").c_str()) != 0)
-    GTEST_SKIP() << "no torchrun: install python3-torch (scripts/install_deps.sh does)";
+  const std::string python = test::python_with_torchrun();
+  if (python.empty()) GTEST_SKIP() << "no torchrun: install python3-torch (scripts/install_deps.sh does)";
   TempDir dir;
   test::write_synthetic_mnist(dir / "data", 1024, 256);
   const std::string straight = dir / "straight", restarted = dir / "torchrun";
   ASSERT_EQ(run(job(dir / "data", straight, "powersgd_fp16", {"--epochs", "1"}), dir / "out.txt"), 0)
       << read_text(dir / "out.txt");
 
-  // A step of the 16 of the epoch after the first checkpoint (step 4),
-  // before or after PowerSGD's start at 10.
-  std::mt19937 random(test::test_seed());
-  int kill_step;
-  do kill_step = 5 + static_cast<int>(random() % 11);
-  while (kill_step % 4 == 0);
+  const int kill_step = test::draw_kill_step();
   const std::string kills = "MNIST_DDP_KILL_AFTER_STEP=0:1:" + std::to_string(kill_step);
   SCOPED_TRACE(kills);
   // tests/torchrun.py is torchrun, its stores classic where PyTorch lacks

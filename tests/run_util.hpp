@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -63,6 +64,25 @@ inline std::string python_with_torch() {
   for (const std::string python : {"/usr/bin/python3", "python3"})
     if (std::system((python + " -c 'import torch' >/dev/null 2>&1").c_str()) == 0) return python;
   return "";
+}
+
+// A Python whose torch has torchrun (torch.distributed.run), "" when none has.
+inline std::string python_with_torchrun() {
+  const std::string python = python_with_torch();
+  if (python.empty() || std::system((python + " -c 'import torch.distributed.run' >/dev/null 2>&1").c_str()) != 0)
+    return "";
+  return python;
+}
+
+// For a job() run of 1 epoch checkpointing every 4 steps: a step of the 16
+// after the first checkpoint, before or after PowerSGD's start at 10, not
+// one a checkpoint is written at; drawn from the test's seed.
+inline int draw_kill_step() {
+  std::mt19937 random(test_seed());
+  int step;
+  do step = 5 + static_cast<int>(random() % 11);
+  while (step % 4 == 0);
+  return step;
 }
 
 // Two hosts for real, on this machine: two network namespaces joined by a
