@@ -185,10 +185,19 @@ std::shared_ptr<CollectiveStream> make_stream(const StorePtr& store, const std::
   return std::make_shared<CollectiveStream>(group, device, backend == "nccl", std::move(shared));
 }
 
-// The store the workers of this start meet in: our launcher's (node 0's),
-// under the round's prefix; torchrun's agent's, under its attempt's; else
-// hosted by rank 0.
-StorePtr open_job_store(const WorkerEnv& env, std::chrono::milliseconds timeout) {
+// The store the workers of this start meet in, and which start of the job
+// it is: our launcher's (node 0's) store, under the round's prefix;
+// torchrun's agent's, under the prefix of the start the ranks agree on;
+// else a store rank 0 hosts.
+//
+// Note on torchrun's restarts. Each agent counts only the restarts its own
+// workers caused (TORCHELASTIC_RESTART_COUNT, pytorch#108158): after one
+// node's worker fails, the other nodes' workers start again with the old
+// count, and a prefix made of it would put the ranks of one start in two
+// rooms. The agent's store outlives the starts, so each rank counts its own
+// starts there: every start of the job starts every rank once, so the
+// counts agree, and name the start.
+std::pair<StorePtr, int> open_job_store(const WorkerEnv& env, std::chrono::milliseconds timeout) {
   const bool host = !env.ours() && !env.agent_store && env.rank == 0;
   StorePtr store;
   try {
@@ -197,10 +206,12 @@ StorePtr open_job_store(const WorkerEnv& env, std::chrono::milliseconds timeout)
     throw std::runtime_error("MASTER_PORT " + std::to_string(env.master_port) + " is already in use on " +
                              env.master_addr + ": export MASTER_PORT with a free port for this job");
   }
-  if (env.ours()) return c10::make_intrusive<c10d::PrefixStore>("round/" + std::to_string(env.round), store);
-  if (env.agent_store)
-    return c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(env.restart), store);
-  return store;
+  if (env.ours()) return {c10::make_intrusive<c10d::PrefixStore>("round/" + std::to_string(env.round), store), env.round};
+  if (!env.agent_store) return {store, env.restart};
+  const StoreClient client(store, timeout,
+                           "torchrun's store at " + env.master_addr + ":" + std::to_string(env.master_port));
+  const int start = static_cast<int>(client.add("mnist_ddp/starts/rank_" + std::to_string(env.rank), 1)) - 1;
+  return {c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(start), store), start};
 }
 
 // This rank's place among the nodes' workers when the launcher left it open:
@@ -357,7 +368,7 @@ Job make_job(StorePtr store, int rank, int world_size, const std::string& backen
 Job join_job(const WorkerEnv& env, const std::string& backend, torch::Device device,
              std::chrono::milliseconds timeout, const std::vector<std::pair<std::string, std::string>>& settings) {
   use_device(device);
-  const StorePtr store = open_job_store(env, timeout);
+  const auto [store, restart] = open_job_store(env, timeout);
   const StoreClient client(store, timeout,
                            "the rendezvous store at " + env.master_addr + ":" + std::to_string(env.master_port));
   const auto [rank, world_size] = env.rank < 0 ? agree_on_ranks(client, env, timeout)
@@ -367,7 +378,7 @@ Job join_job(const WorkerEnv& env, const std::string& backend, torch::Device dev
   const bool one_host = world_size == env.local_world_size;
   Job job = make_job(store, rank, world_size, backend, device, timeout, one_host,
                      local_address_towards(env.master_addr));
-  job.restart = env.restart;
+  job.restart = restart;
   return job;
 }
 

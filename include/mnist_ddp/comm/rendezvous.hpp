@@ -31,7 +31,9 @@ struct Job {
   std::string backend = "gloo";         // "gloo" or "nccl"
   torch::Device device = torch::kCPU;   // where this worker's tensors live
   std::chrono::milliseconds timeout{300'000};
-  int restart = 0;  // which start of the job's workers this is (WorkerEnv::restart)
+  // Which start of the job's workers this is: 0, then one more per restart,
+  // the same on every rank (rendezvous.cpp, "Note on torchrun's restarts").
+  int restart = 0;
   std::string gloo_address = "127.0.0.1";  // local address Gloo listens on
   StorePtr store;
   // The ways to the other ranks, two ordered streams (collectives.hpp):
