@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <exception>
 
 #include "mnist_ddp/base/errors.hpp"
@@ -81,8 +82,13 @@ void raise_open_file_limit() {
   }
 }
 
-// What the terminate handler names: the store this process hosts.
-std::string g_hosted;
+// What the terminate handler names: the store this process hosts. Plain
+// characters, as the handler may read them on another thread.
+char g_hosted[160] = "the rendezvous store";
+
+void name_hosted_store(const std::string& addr, int port) {
+  std::snprintf(g_hosted, sizeof g_hosted, "the rendezvous store at %s:%d", addr.c_str(), port);
+}
 
 // LibTorch's server loop lets an error escape its thread when it cannot
 // accept a connection (out of descriptors): one line saying so instead of
@@ -99,7 +105,7 @@ std::string g_hosted;
   getrlimit(RLIMIT_NOFILE, &limit);
   if (why.find("Too many open files") != std::string::npos || why.find("errno 24") != std::string::npos ||
       why.find("errno: 24") != std::string::npos)
-    why = g_hosted + " ran out of file descriptors (" + std::to_string(limit.rlim_cur) +
+    why = std::string(g_hosted) + " ran out of file descriptors (" + std::to_string(limit.rlim_cur) +
           ", ulimit -n): too many connections to it from other processes; raise the limit or stop them (" + why + ")";
   const std::string line = "mnist_ddp: error: " + why + "\n";
   if (write(STDERR_FILENO, line.data(), line.size()) < 0) {
@@ -172,11 +178,13 @@ c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port,
     if (!host)  // a client's constructor may ask the server something (2.x): bounded
       return StoreClient::within(timeout + std::chrono::seconds(1), unreachable + " (it did not answer)",
                                  [addr, so] { return c10::make_intrusive<c10d::TCPStore>(addr, so); });
+    // Before the server's thread starts: a neighbour may flood it at once.
+    name_hosted_store(addr, port);
+    std::set_terminate(one_line_instead_of_abort);
     store_bind_address() = address;
     auto store = c10::make_intrusive<c10d::TCPStore>(addr, so);
     store_bind_address() = INADDR_NONE;
-    g_hosted = "the rendezvous store at " + addr + ":" + std::to_string(store->getPort());
-    std::set_terminate(one_line_instead_of_abort);
+    name_hosted_store(addr, static_cast<int>(store->getPort()));
     return store;
   } catch (const StoreStalled&) {
     throw;
