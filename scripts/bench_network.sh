@@ -72,7 +72,7 @@ if ! { ip netns add "$a" && ip netns add "$b" &&
 fi
 
 shape() {  # shape RATE|none
-  local ns dev
+  local ns_dev ns dev
   for ns_dev in "$a:$va" "$b:$vb"; do
     ns="${ns_dev%%:*}" dev="${ns_dev#*:}"
     tc -n "$ns" qdisc del dev "$dev" root 2>/dev/null || true

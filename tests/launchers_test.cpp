@@ -26,14 +26,8 @@ std::string program(const std::vector<std::string>& programs) {
   return "";
 }
 
-class Launchers : public ::testing::Test {
+class Launchers : public test::JobsOnThisMachine {
  protected:
-  void SetUp() override {
-    ASSERT_EQ(prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
-    test::write_synthetic_mnist(dir_ / "data", 1024, 128);
-    port_ = std::to_string(test::free_port());
-  }
-  void TearDown() override { EXPECT_TRUE(test::no_children_left(15s)) << "a process was left running"; }
   // A worker's command line, the binary first: 1024 images, 16 steps on 2 ranks.
   std::vector<std::string> worker(const std::string& path, std::vector<std::string> extra = {}) {
     std::vector<std::string> args = {MNIST_DDP_BINARY, "--backend", "gloo", "--compression", "none", "--epochs", "1",
@@ -60,8 +54,6 @@ class Launchers : public ::testing::Test {
               std::string::npos) << log;
     EXPECT_EQ(test::read_summary(path).at("world").at("ranks").get<double>(), ranks);
   }
-  TempDir dir_;
-  std::string port_;
 };
 
 // mpirun -np 2: each process one worker of one job (not two launchers of

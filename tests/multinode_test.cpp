@@ -25,17 +25,8 @@ using test::Process;
 using test::read_text;
 using test::TempDir;
 
-
-class MultiNode : public ::testing::Test {
+class MultiNode : public test::JobsOnThisMachine {
  protected:
-  void SetUp() override {
-    ASSERT_EQ(prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
-    test::write_synthetic_mnist(dir_ / "data", 1024, 128);
-    port_ = std::to_string(test::free_port());
-  }
-  void TearDown() override {
-    EXPECT_TRUE(test::no_children_left(15s)) << "a process was left running";
-  }
   // One node's command line; `path` is that node's own directory.
   std::vector<std::string> node(int rank, int nproc, const std::string& path, std::vector<std::string> extra = {}) {
     std::vector<std::string> args = {"--backend", "gloo", "--nnodes", "2", "--node-rank", std::to_string(rank),
@@ -45,8 +36,6 @@ class MultiNode : public ::testing::Test {
     args.insert(args.end(), extra.begin(), extra.end());
     return args;
   }
-  TempDir dir_;
-  std::string port_;
 };
 
 // Node 0's two workers compute with one thread each, node 1's one worker

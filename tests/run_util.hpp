@@ -2,6 +2,7 @@
 // two workers, its exit code, and what an exact resume reproduces.
 #pragma once
 
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -65,6 +66,23 @@ inline std::string python_with_torch() {
     if (std::system((python + " -c 'import torch' >/dev/null 2>&1").c_str()) == 0) return python;
   return "";
 }
+
+// Tests that run whole jobs on this machine: a small data set, a port for
+// the store, and every process they start reaped by the end (the test is
+// their subreaper, so none escapes by losing its parent).
+class JobsOnThisMachine : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_EQ(prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
+    write_synthetic_mnist(dir_ / "data", 1024, 128);
+    port_ = std::to_string(free_port());
+  }
+  void TearDown() override {
+    EXPECT_TRUE(no_children_left(std::chrono::seconds(15))) << "a process was left running";
+  }
+  TempDir dir_;
+  std::string port_;
+};
 
 // A Python whose torch has torchrun (torch.distributed.run), "" when none has.
 inline std::string python_with_torchrun() {
