@@ -1,5 +1,7 @@
 #include "mnist_ddp/comm/collectives.hpp"
 
+#include <deque>
+
 #ifdef MNIST_DDP_WITH_CUDA
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -67,14 +69,25 @@ std::vector<torch::Tensor> Channel::gather_to_rank0(const torch::Tensor& tensor)
   return out;
 }
 
-void Channel::exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from) {
+void Channel::exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from, int64_t piece, int depth) {
   issue("exchange", out);
-  std::vector<at::Tensor> send{out}, recv{in};
-  const int tag = tag_;
-  tag_ = (tag_ + 1) % (1 << 30);
-  auto sent = group_->send(send, to, tag);
-  group_->recv(recv, from, tag)->wait();
-  sent->wait();
+  using WorkPtr = decltype(group_->send(std::declval<std::vector<at::Tensor>&>(), 0, 0));
+  std::deque<std::pair<WorkPtr, WorkPtr>> in_flight;  // sent, received
+  auto finish_oldest = [&] {
+    in_flight.front().second->wait();
+    in_flight.front().first->wait();
+    in_flight.pop_front();
+  };
+  for (int64_t at = 0; at < out.numel(); at += piece) {
+    if (static_cast<int>(in_flight.size()) == depth) finish_oldest();
+    const int64_t end = std::min(out.numel(), at + piece);
+    std::vector<at::Tensor> send{out.slice(0, at, end)}, recv{in.slice(0, at, end)};
+    const int tag = tag_;
+    tag_ = (tag_ + 1) % (1 << 30);
+    auto sent = group_->send(send, to, tag);
+    in_flight.emplace_back(std::move(sent), group_->recv(recv, from, tag));
+  }
+  while (!in_flight.empty()) finish_oldest();
 }
 
 void Channel::barrier() {

@@ -62,13 +62,12 @@ FuturePtr Wire::allreduce_mean(torch::Tensor tensor) {
 FuturePtr GroupWire::allreduce_sum(torch::Tensor tensor) {
   stats_.elements += tensor.numel();
   stats_.bytes += tensor.numel() * static_cast<int64_t>(tensor.element_size());
-  constexpr int64_t kRingFrom = 1 << 16;  // elements
-  if (tensor.scalar_type() == torch::kHalf && tensor.is_cpu() && tensor.numel() >= kRingFrom && world_size() > 1 &&
-      !channel_.shares_memory()) {
-    ring_allreduce(tensor);
-    return completed_future(tensor);
-  }
-  return channel_.allreduce_sum(tensor);
+  const bool ring = tensor.is_cpu() && !channel_.shares_memory() && world_size() > 1 &&
+                    (tensor.scalar_type() == torch::kFloat32 || tensor.scalar_type() == torch::kHalf) &&
+                    tensor.numel() * static_cast<int64_t>(tensor.element_size()) > kLinkPieceBytes;
+  if (!ring) return channel_.allreduce_sum(tensor);
+  ring_allreduce(tensor);
+  return completed_future(tensor);
 }
 
 // Reduce-scatter then allgather round the ring rank -> rank + 1: each rank
@@ -81,15 +80,20 @@ void GroupWire::ring_allreduce(torch::Tensor& tensor) {
   padded.slice(0, 0, n).copy_(tensor.reshape(-1));
   auto chunks = padded.view({world, chunk});
   auto incoming = torch::empty({chunk}, tensor.options());
+  const int64_t piece = kLinkPieceBytes / static_cast<int64_t>(tensor.element_size());
   for (int s = 0; s < world - 1; ++s) {  // chunk (rank - s - 1) collects every rank's part
     const int64_t out = (rank - s + world) % world, in = (rank - s - 1 + world) % world;
-    channel_.exchange(chunks[out], next, incoming, prev);
-    chunks[in].copy_(chunks[in].to(torch::kFloat32).add_(incoming.to(torch::kFloat32)));
+    channel_.exchange(chunks[out], next, incoming, prev, piece, kLinkPiecesInFlight);
+    if (tensor.scalar_type() == torch::kFloat32) {
+      chunks[in].add_(incoming);
+    } else {
+      chunks[in].copy_(chunks[in].to(torch::kFloat32).add_(incoming.to(torch::kFloat32)));
+    }
   }
   for (int s = 0; s < world - 1; ++s) {  // pass the finished chunks round
     const int64_t out = (rank + 1 - s + world) % world, in = (rank - s + world) % world;
     torch::Tensor finished = chunks[in];
-    channel_.exchange(chunks[out], next, finished, prev);
+    channel_.exchange(chunks[out], next, finished, prev, piece, kLinkPiecesInFlight);
   }
   tensor.copy_(padded.slice(0, 0, n).view_as(tensor));
 }

@@ -82,8 +82,10 @@ class Channel {
   // Every rank's `tensor` (same shape and dtype) on rank 0, in rank order, on
   // the CPU; an empty list elsewhere.
   std::vector<torch::Tensor> gather_to_rank0(const torch::Tensor& tensor);
-  // Sends `out` to rank `to` while receiving `in` from rank `from`; blocking.
-  void exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from);
+  // Sends `out` to rank `to` while receiving `in` (as many elements, both
+  // contiguous) from rank `from`, in pieces of at most `piece` elements with
+  // at most `depth` pieces in flight each way; blocking.
+  void exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from, int64_t piece, int depth);
   void barrier();
   // Where tensors of the small blocking collectives travel: the device under
   // NCCL, the CPU under Gloo (whose every collective takes CPU tensors).

@@ -56,7 +56,7 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<int
                                                            int64_t first_cap_bytes, int64_t cap_bytes);
 
 constexpr int64_t kFirstBucketCapBytes = 1024 * 1024;  // as PyTorch: the first bucket launches early
-constexpr int64_t kQuickLaneBucketBytes = 256 * 1024;  // about 2 ms at 1 Gbit/s
+constexpr int64_t kQuickLaneBucketBytes = kLinkPieceBytes;  // sent in one piece (comm_hooks.hpp)
 
 // A module whose forward calls before(layer) ahead of using each layer's
 // parameters, so that DDP's deferred update (above) waits layer by layer.
