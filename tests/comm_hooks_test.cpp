@@ -91,13 +91,13 @@ TEST(Fp16, EqualsAllreduceWithinFloat16Tolerance) {
   });
 }
 
-// Tensors over kLinkPieceBytes go round the ring in pieces (comm_hooks.hpp,
-// "the link"): sizes that leave a short last piece and a padded chunk, in
-// float32 and float16, on 3 ranks, give every rank the same sum, that of
-// the inputs.
-TEST(GroupWire, LargeTensorsGoRoundTheRingInPiecesAndEveryRankGetsTheSum) {
+// A large tensor's sum: float32 through Gloo; float16 round the ring
+// (comm_hooks.hpp, "the link") on 3 ranks, in chunks of two pieces, the
+// second short, the last chunk padded. Every rank gets the same sum, that
+// of what the ranks sent.
+TEST(GroupWire, EveryRankGetsTheSumOfALargeTensor) {
   const int world = 3;
-  const int64_t n = 3 * kLinkPieceBytes / 4 + 7;  // float32: three pieces and a bit; float16: one and a half
+  const int64_t n = 2 * kLinkPieceBytes + 7;  // float16: a chunk is 1.33 pieces
   torch::manual_seed(5);
   const auto inputs = per_rank(world, [&](int) { return torch::randn({n}); });
   for (const auto type : {torch::kFloat32, torch::kHalf}) {

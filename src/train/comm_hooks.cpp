@@ -63,7 +63,7 @@ FuturePtr GroupWire::allreduce_sum(torch::Tensor tensor) {
   stats_.elements += tensor.numel();
   stats_.bytes += tensor.numel() * static_cast<int64_t>(tensor.element_size());
   const bool ring = tensor.is_cpu() && !channel_.shares_memory() && world_size() > 1 &&
-                    (tensor.scalar_type() == torch::kFloat32 || tensor.scalar_type() == torch::kHalf) &&
+                    tensor.scalar_type() == torch::kHalf &&
                     tensor.numel() * static_cast<int64_t>(tensor.element_size()) > kLinkPieceBytes;
   if (!ring) return channel_.allreduce_sum(tensor);
   ring_allreduce(tensor);
@@ -84,11 +84,7 @@ void GroupWire::ring_allreduce(torch::Tensor& tensor) {
   for (int s = 0; s < world - 1; ++s) {  // chunk (rank - s - 1) collects every rank's part
     const int64_t out = (rank - s + world) % world, in = (rank - s - 1 + world) % world;
     channel_.exchange(chunks[out], next, incoming, prev, piece, kLinkPiecesInFlight);
-    if (tensor.scalar_type() == torch::kFloat32) {
-      chunks[in].add_(incoming);
-    } else {
-      chunks[in].copy_(chunks[in].to(torch::kFloat32).add_(incoming.to(torch::kFloat32)));
-    }
+    chunks[in].copy_(chunks[in].to(torch::kFloat32).add_(incoming.to(torch::kFloat32)));
   }
   for (int s = 0; s < world - 1; ++s) {  // pass the finished chunks round
     const int64_t out = (rank + 1 - s + world) % world, in = (rank - s + world) % world;

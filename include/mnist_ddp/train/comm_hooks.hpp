@@ -70,20 +70,19 @@ struct WireStats {
 // The wire of the collective stream's channel, for use inside a task.
 // Counts what it sends into `stats`.
 //
-// Note on the link. Without shared memory, a float32 or float16 tensor of
-// more than kLinkPieceBytes on the CPU goes round a ring of point-to-point
-// transfers in pieces of that size, kLinkPiecesInFlight at a time, adding in
-// float32; smaller ones (PowerSGD's P and Q, the small buckets) go to Gloo's
-// allreduce, which runs asynchronously. Why not Gloo's allreduce for all: it
-// adds float16 one element at a time (the fp16 hook was slower than sending
-// float32), and it sends a large tensor in one go. A link's bottleneck queue
-// is often one FIFO (a switch's buffer; here tc's tbf) and a TCP socket may
-// queue megabytes in it: a 4.5 MB bucket in one go kept the quick lane's
-// small collectives (SyncBatchNorm's, which backward waits on) some 20 ms
-// behind it at 1 Gbit/s. A few pieces at a time keep at most those ahead of
-// them. Two of 256 KB was the best of the sizes and depths tried over the
-// shaped link (bench_network.sh, docs/performance.md); Gloo's allreduce cut
-// into as many pieces was slower still (its set-up per call).
+// Note on the link. Without shared memory, a float16 tensor of more than
+// kLinkPieceBytes on the CPU goes round a ring of point-to-point transfers
+// that adds in float32: Gloo's own allreduce adds float16 one element at a
+// time, which made the fp16 hook slower than sending float32. The ring sends
+// pieces of kLinkPieceBytes, kLinkPiecesInFlight at a time: a link's
+// bottleneck queue is often one FIFO (a switch's buffer; here tc's tbf),
+// and a whole 1.2 MB chunk in it kept the quick lane's small collectives
+// (SyncBatchNorm's, which computation waits on) up to 100 ms behind it at
+// 100 Mbit/s (fp16 there: 308 -> 214 ms/step). Everything else, float32
+// buckets included, goes to Gloo's allreduce, asynchronously: the same ring
+// for float32 was 5% faster at 1 Gbit/s but 22% slower unshaped (44 against
+// 36 ms/step, docs/performance.md), its pieces costing the one core a node
+// has here more than they saved.
 constexpr int64_t kLinkPieceBytes = 256 * 1024;
 constexpr int kLinkPiecesInFlight = 2;
 
