@@ -121,7 +121,7 @@ def bench_table(facts_path, json_path, run_dirs):
 
     print(f"Fashion-MNIST, batch 32 per process; device: {facts['device'][0]}; CPU: {facts['cpu'][0]} cores; "
           f"BLAS: {facts['blas'][0]}\n")
-    print("| run | images/s | ms/step | forward | backward | waiting | optimizer | bytes/step on the wire "
+    print("| run | images/s | ms/step | forward | backward | of which waiting | optimizer | bytes/step on the wire "
           "| vs none | scaling efficiency | test top-1 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, r in [("compute limit, 1 core, as set up here", tuned),

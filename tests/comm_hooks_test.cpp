@@ -13,11 +13,12 @@ using test::max_abs_diff;
 using test::run_ranks;
 
 // A bucket over fresh storage whose gradients have the given shapes.
-GradBucket make_bucket(const std::vector<std::vector<int64_t>>& shapes, size_t index = 0) {
+GradBucket make_bucket(const std::vector<std::vector<int64_t>>& shapes, size_t index = 0, bool is_last = true) {
   int64_t total = 0;
   for (const auto& s : shapes) total += c10::multiply_integers(s);
   GradBucket b;
   b.index = index;
+  b.is_last = is_last;
   b.buffer = torch::zeros({total});
   int64_t at = 0;
   for (const auto& s : shapes) {
@@ -51,9 +52,7 @@ class StreamWire : public Wire {
   WireStats stats_;
 };
 
-// A step of one bucket, or (index > 0) a further bucket of the step begun.
 torch::Tensor run_hook(CommHook& hook, GradBucket& bucket, Wire& wire) {
-  if (bucket.index == 0) hook.begin_step();
   auto result = hook.run(bucket, wire);
   result->waitAndThrow();
   return future_tensor(result);

@@ -1,7 +1,5 @@
 #include <gtest/gtest.h>
 
-#include <map>
-
 #include "mnist_ddp/train/comm_hooks.hpp"
 #include "mnist_ddp/train/ddp.hpp"
 #include "mnist_ddp/train/model.hpp"
@@ -134,100 +132,6 @@ TEST(Ddp, ReplicasStayIdenticalAndTrackTheOracleOverSteps) {
   for (size_t i = 0; i < expected.size(); ++i) {
     for (int r = 1; r < world; ++r) EXPECT_TRUE(torch::equal(final_params[r][i], final_params[0][i]));
     EXPECT_LE(max_abs_diff(final_params[0][i], expected[i]), 1e-5);
-  }
-}
-
-// A LayerByLayer whose fully connected layer is large enough (295 KB) for
-// the bulk lane, the convolution's bucket being small enough for the quick
-// one; it records the layers it reaches.
-struct GatedNetImpl : torch::nn::Module, LayerByLayer {
-  GatedNetImpl() {
-    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3)));
-    fc = register_module("fc", torch::nn::Linear(144, 512));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    before(*conv);
-    trace.push_back("conv");
-    x = torch::relu(conv(x)).flatten(1);
-    before(*fc);
-    trace.push_back("fc");
-    return torch::log_softmax(fc(x), 1);
-  }
-  torch::nn::Conv2d conv{nullptr};
-  torch::nn::Linear fc{nullptr};
-  std::vector<std::string> trace;
-};
-TORCH_MODULE(GatedNet);
-
-// The deferred update (ddp.hpp) steps each bucket when the next forward
-// first needs it, the convolution's (quick lane) before the fully connected
-// layer's (bulk lane), and ends bit-identical to stepping after backward,
-// and near one process on the concatenated batch.
-TEST(Ddp, TheDeferredUpdateStepsEachBucketAtItsLayerAndMatchesSteppingAfterBackward) {
-  const int world = 2, per_rank = 4, steps = 4;
-  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(5e-4);
-  std::vector<Batches> data;
-  for (int s = 0; s < steps; ++s) data.push_back(make_batches(world * per_rank, 70 + s));
-  auto fresh = [](int count) {
-    std::vector<GatedNet> nets;
-    for (int r = 0; r < count; ++r) {
-      torch::manual_seed(20 + r);
-      nets.emplace_back();
-    }
-    return nets;
-  };
-  auto oracle = fresh(1).front();
-  torch::optim::SGD oracle_opt(oracle->parameters(), sgd);
-  for (const auto& d : data) {
-    oracle_opt.zero_grad();
-    torch::nll_loss(oracle->forward(d.x), d.y).backward();
-    oracle_opt.step();
-  }
-
-  std::map<bool, std::vector<std::vector<torch::Tensor>>> final_params;  // deferred? -> rank -> parameters
-  for (const bool deferred : {false, true}) {
-    auto nets = fresh(world);
-    final_params[deferred].resize(world);
-    run_ranks(world, [&](Job& job) {
-      GatedNet net = nets[job.rank];
-      DistributedDataParallel ddp(torch::nn::AnyModule(net), job, std::make_unique<AllreduceHook>(), 0.2);
-      ASSERT_EQ(ddp->buckets().size(), 2u);
-      EXPECT_NE(ddp->describe_buckets()[1].find("quick lane"), std::string::npos) << ddp->describe_buckets()[1];
-      EXPECT_EQ(ddp->describe_buckets()[0].find("quick lane"), std::string::npos) << ddp->describe_buckets()[0];
-      torch::optim::SGD opt(ddp->parameters(), sgd);
-      if (deferred) {
-        ddp->defer_update([&] {
-          std::string stepped = "update";
-          for (const auto& p : net->named_parameters())
-            if (p.value().grad().defined()) stepped += " " + p.key();
-          net->trace.push_back(stepped);
-          opt.step();
-        });
-      }
-      for (const auto& d : data) {
-        if (!deferred) opt.zero_grad();
-        const int64_t begin = job.rank * per_rank;
-        torch::nll_loss(ddp->forward(d.x.slice(0, begin, begin + per_rank)), d.y.slice(0, begin, begin + per_rank))
-            .backward();
-        if (!deferred) opt.step();
-      }
-      ddp->settle();
-      for (const auto& p : ddp->parameters()) final_params[deferred][job.rank].push_back(p.detach().clone());
-      if (!deferred) return;
-      std::vector<std::string> expected = {"conv", "fc"};
-      for (int s = 1; s < steps; ++s)
-        expected.insert(expected.end(), {"update conv.weight conv.bias", "conv", "update fc.weight fc.bias", "fc"});
-      expected.insert(expected.end(), {"update fc.weight fc.bias", "update conv.weight conv.bias"});  // settle()
-      EXPECT_EQ(net->trace, expected);
-    });
-  }
-  const auto expected = oracle->parameters();
-  for (size_t i = 0; i < expected.size(); ++i) {
-    for (int r = 0; r < world; ++r) {
-      EXPECT_TRUE(torch::equal(final_params[true][r][i], final_params[false][0][i])) << "parameter " << i << " rank " << r;
-      EXPECT_TRUE(torch::equal(final_params[false][r][i], final_params[false][0][i])) << "parameter " << i << " rank " << r;
-    }
-    EXPECT_LE(max_abs_diff(final_params[true][0][i], expected[i]), 1e-5) << "parameter " << i;
   }
 }
 

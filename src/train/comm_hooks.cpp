@@ -20,19 +20,20 @@ void fill_gaussian(torch::Tensor& q, uint64_t seed) {
   q.copy_(torch::randn(q.sizes(), gen, q.options().device(torch::kCPU)));
 }
 
-// `t` on `device` (a loaded state lives on the CPU).
-torch::Tensor& on_device(torch::Tensor& t, const torch::Device& device) {
+// The tensor stored under `key`, moved to `device` (a loaded state lives on the CPU).
+torch::Tensor& on_device(std::map<size_t, torch::Tensor>& memory, size_t key, const torch::Device& device) {
+  torch::Tensor& t = memory.at(key);
   if (t.device() != device) t = t.to(device);
   return t;
 }
 
 // The error that `bucket` carries, a zero tensor shaped like `like` at first.
 torch::Tensor& carried_error(PowerSgdState& state, size_t bucket, const torch::Tensor& like) {
-  torch::Tensor& error = state.memory(bucket).error;
-  if (!error.defined()) return error = torch::zeros_like(like);
-  TORCH_CHECK(error.numel() == like.numel(), "PowerSGD: the saved error of bucket ", bucket, " has ", error.numel(),
-              " elements, the bucket ", like.numel(), " (a different model or bucket layout?)");
-  return on_device(error, like.device());
+  auto it = state.error.find(bucket);
+  if (it == state.error.end()) return state.error[bucket] = torch::zeros_like(like);
+  TORCH_CHECK(it->second.numel() == like.numel(), "PowerSGD: the saved error of bucket ", bucket, " has ",
+              it->second.numel(), " elements, the bucket ", like.numel(), " (a different model or bucket layout?)");
+  return on_device(state.error, bucket, like.device());
 }
 
 }  // namespace
@@ -62,12 +63,13 @@ FuturePtr Wire::allreduce_mean(torch::Tensor tensor) {
 FuturePtr GroupWire::allreduce_sum(torch::Tensor tensor) {
   stats_.elements += tensor.numel();
   stats_.bytes += tensor.numel() * static_cast<int64_t>(tensor.element_size());
-  const bool ring = tensor.is_cpu() && !channel_.shares_memory() && world_size() > 1 &&
-                    tensor.scalar_type() == torch::kHalf &&
-                    tensor.numel() * static_cast<int64_t>(tensor.element_size()) > kLinkPieceBytes;
-  if (!ring) return channel_.allreduce_sum(tensor);
-  ring_allreduce(tensor);
-  return completed_future(tensor);
+  constexpr int64_t kRingFrom = 1 << 16;  // elements
+  if (tensor.scalar_type() == torch::kHalf && tensor.is_cpu() && tensor.numel() >= kRingFrom && world_size() > 1 &&
+      !channel_.shares_memory()) {
+    ring_allreduce(tensor);
+    return completed_future(tensor);
+  }
+  return channel_.allreduce_sum(tensor);
 }
 
 // Reduce-scatter then allgather round the ring rank -> rank + 1: each rank
@@ -120,43 +122,35 @@ FuturePtr Fp16Wrapper::run(GradBucket& bucket, Wire& wire) {
   return result;
 }
 
-PowerSgdState::Memory& PowerSgdState::memory(size_t b) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return memories_[b];  // a map's elements stay where they are as it grows
-}
+uint64_t PowerSgdState::next_seed() { return splitmix64(options.seed + draws++); }
 
-uint64_t PowerSgdState::seed(int64_t step, size_t b) const {
-  return splitmix64(splitmix64(options.seed + static_cast<uint64_t>(step)) + b);
-}
+void PowerSgdState::finish_step() { ++iter; }
 
 HookState PowerSgdState::save() const {
-  std::lock_guard<std::mutex> lock(mutex_);
   HookState s;
   s.shared["iter"] = torch::tensor(iter, torch::kInt64);
-  for (const auto& [b, m] : memories_) {
-    const std::string key = "/" + std::to_string(b);
-    if (m.p.defined()) s.shared["p" + key] = m.p.detach().cpu().clone();
-    if (m.q.defined()) s.shared["q" + key] = m.q.detach().cpu().clone();
-    if (m.error.defined()) s.own["error" + key] = m.error.detach().cpu().clone();
-  }
+  s.shared["draws"] = torch::tensor(static_cast<int64_t>(draws), torch::kInt64);
+  for (const auto& [b, t] : p_memory) s.shared["p/" + std::to_string(b)] = t.detach().cpu().clone();
+  for (const auto& [b, t] : q_memory) s.shared["q/" + std::to_string(b)] = t.detach().cpu().clone();
+  for (const auto& [b, t] : error) s.own["error/" + std::to_string(b)] = t.detach().cpu().clone();
   return s;
 }
 
 void PowerSgdState::load(const HookState& s) {
-  std::lock_guard<std::mutex> lock(mutex_);
   iter = s.shared.at("iter").item<int64_t>();
-  memories_.clear();
-  // Memories by bucket index: "<what>/<bucket>". (Checkpoints before
-  // 2026-11 also hold "draws", a seed counter no longer used.)
-  auto by_bucket = [this](const std::map<std::string, torch::Tensor>& from, const std::string& what,
-                          torch::Tensor Memory::*field) {
+  draws = static_cast<uint64_t>(s.shared.at("draws").item<int64_t>());
+  error.clear();
+  p_memory.clear();
+  q_memory.clear();
+  // Memories by bucket index: "<what>/<bucket>".
+  auto by_bucket = [](const std::map<std::string, torch::Tensor>& from, const std::string& what,
+                      std::map<size_t, torch::Tensor>& to) {
     for (const auto& [key, t] : from)
-      if (key.compare(0, what.size() + 1, what + "/") == 0)
-        memories_[std::stoul(key.substr(what.size() + 1))].*field = t.clone();
+      if (key.compare(0, what.size() + 1, what + "/") == 0) to[std::stoul(key.substr(what.size() + 1))] = t.clone();
   };
-  by_bucket(s.shared, "p", &Memory::p);
-  by_bucket(s.shared, "q", &Memory::q);
-  by_bucket(s.own, "error", &Memory::error);
+  by_bucket(s.shared, "p", p_memory);
+  by_bucket(s.shared, "q", q_memory);
+  by_bucket(s.own, "error", error);
 }
 
 torch::Tensor exact_row_sum(const torch::Tensor& a) {
@@ -234,27 +228,32 @@ void orthogonalize(torch::Tensor& matrix, double epsilon, Sums sums) {
 // later error -= result), which saves PyTorch's copy of the bucket.
 
 FuturePtr PowerSgdBase::run(GradBucket& bucket, Wire& wire) {
-  if (step_ < state_.options.start_iter) return wire.allreduce_mean(bucket.buffer);
-  compress(bucket, wire);
-  return completed_future(bucket.buffer);
+  FuturePtr result;
+  if (compression_started()) {
+    compress(bucket, wire);
+    result = completed_future(bucket.buffer);
+  } else {
+    result = wire.allreduce_mean(bucket.buffer);
+  }
+  if (bucket.is_last) state_.finish_step();
+  return result;
 }
 
 namespace {
 
-// The P and Q memories of bucket `b` at step `step`, of `p_size` and
-// `q_size` elements: the ones kept from the step before when warm-starting,
-// else fresh, with Q drawn from the step's seed (the same on every rank).
-std::pair<torch::Tensor, torch::Tensor> memories(PowerSgdState& st, int64_t step, size_t b, int64_t p_size,
-                                                 int64_t q_size, const torch::TensorOptions& options) {
-  PowerSgdState::Memory& m = st.memory(b);
-  if (!st.options.warm_start || !m.p.defined()) {
-    m.p = torch::empty({p_size}, options);
-    m.q = torch::empty({q_size}, options);
-    fill_gaussian(m.q, st.seed(step, b));
+// The P and Q memories of bucket `b`, of `p_size` and `q_size` elements: the
+// ones kept from the step before when warm-starting, else fresh, with Q
+// drawn from the next seed (the same on every rank).
+std::pair<torch::Tensor, torch::Tensor> memories(PowerSgdState& st, size_t b, int64_t p_size, int64_t q_size,
+                                                 const torch::TensorOptions& options) {
+  if (!st.options.warm_start || !st.p_memory.count(b)) {
+    st.p_memory[b] = torch::empty({p_size}, options);
+    st.q_memory[b] = torch::empty({q_size}, options);
+    fill_gaussian(st.q_memory[b], st.next_seed());
   }
   // A loaded memory may be shaped as the matrix it holds: the elements count.
-  torch::Tensor& p = on_device(m.p, options.device());
-  torch::Tensor& q = on_device(m.q, options.device());
+  torch::Tensor& p = on_device(st.p_memory, b, options.device());
+  torch::Tensor& q = on_device(st.q_memory, b, options.device());
   TORCH_CHECK(p.numel() == p_size && q.numel() == q_size, "PowerSGD: the saved P/Q of bucket ", b,
               " do not fit its gradients");
   p = p.reshape({p_size});
@@ -293,8 +292,8 @@ void power_iteration(const std::vector<torch::Tensor>& matrices, const std::vect
 // After a step without warm start, the next draws a fresh Q.
 void forget_unless_warm(PowerSgdState& st, size_t b) {
   if (st.options.warm_start) return;
-  PowerSgdState::Memory& m = st.memory(b);
-  m.p = m.q = torch::Tensor();
+  st.p_memory.erase(b);
+  st.q_memory.erase(b);
 }
 
 }  // namespace
@@ -344,7 +343,7 @@ void PowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
   }
 
   if (!matrices.empty()) {
-    auto [p, q] = memories(st, step_, b, p_size, q_size, input.options());
+    auto [p, q] = memories(st, b, p_size, q_size, input.options());
     power_iteration(matrices, ranks, results, p, q, wire, opt.orthogonalization_epsilon);
     forget_unless_warm(st, b);
   }
@@ -382,7 +381,7 @@ void BatchedPowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
     padded.slice(0, 0, total).copy_(input);
   }
   torch::Tensor result = torch::empty({side, side}, input.options());
-  auto [p, q] = memories(st, step_, b, side * r, side * r, input.options());
+  auto [p, q] = memories(st, b, side * r, side * r, input.options());
   power_iteration({padded.view({side, side})}, {r}, {result}, p, q, wire, opt.orthogonalization_epsilon);
   forget_unless_warm(st, b);
   result = result.view(-1);

@@ -10,7 +10,6 @@
 #include <chrono>
 #include <map>
 #include <sstream>
-#include <utility>
 
 namespace mnist_ddp {
 namespace {
@@ -85,10 +84,6 @@ DistributedDataParallelImpl::DistributedDataParallelImpl(torch::nn::AnyModule mo
                                                          std::unique_ptr<CommHook> hook, double bucket_cap_mb)
     : module_(std::move(module)), hook_(std::move(hook)), stream_(job.stream), device_(job.device) {
   register_module("module", module_.ptr());
-  if (auto* layers = dynamic_cast<LayerByLayer*>(module_.ptr().get())) {
-    layers->before_layer = [this](const torch::nn::Module& layer) { settle_layer(layer); };
-    layer_by_layer_ = true;
-  }
 
   std::vector<torch::Tensor> state;
   for (const auto& p : module_.ptr()->parameters()) state.push_back(p);
@@ -101,7 +96,6 @@ DistributedDataParallelImpl::DistributedDataParallelImpl(torch::nn::AnyModule mo
                 " must be a floating-point tensor on ", device_);
     TORCH_CHECK(params_.empty() || item.value().scalar_type() == params_.front().scalar_type(),
                 "DDP: all parameters must share one dtype");
-    param_index_[item.value().unsafeGetTensorImpl()] = params_.size();
     params_.push_back(item.value());
     param_names_.push_back(item.key());
   }
@@ -125,6 +119,7 @@ DistributedDataParallelImpl::DistributedDataParallelImpl(torch::nn::AnyModule mo
     for (size_t k : assignment[b]) total += params_[order[k]].numel();
     GradBucket bucket;
     bucket.index = b;
+    bucket.is_last = b + 1 == assignment.size();
     bucket.buffer = torch::zeros({total}, params_.front().options().requires_grad(false));
     int64_t offset = 0;
     for (size_t k : assignment[b]) {
@@ -134,12 +129,8 @@ DistributedDataParallelImpl::DistributedDataParallelImpl(torch::nn::AnyModule mo
       bucket_of_[p] = b;
       offset += params_[p].numel();
     }
-    const bool small = total * params_.front().element_size() <= kQuickLaneBucketBytes;
-    lane_.push_back(small && job.quick ? job.quick : stream_);
     buckets_.push_back(std::move(bucket));
   }
-  bucket_wire_.resize(buckets_.size());
-  in_flight_.resize(buckets_.size());
   for (size_t p = 0; p < params_.size(); ++p) link_grad(p);
 
   for (size_t p = 0; p < params_.size(); ++p) {
@@ -150,10 +141,10 @@ DistributedDataParallelImpl::DistributedDataParallelImpl(torch::nn::AnyModule mo
 }
 
 DistributedDataParallelImpl::~DistributedDataParallelImpl() {
-  // The lanes' tasks point at this object.
-  for (size_t b = 0; b < buckets_.size(); ++b) {
+  // The stream's tasks point at this object.
+  for (const auto ticket : posted_) {
     try {
-      if (in_flight_[b]) lane_[b]->wait(*in_flight_[b]);
+      stream_->wait(ticket);
     } catch (...) {
     }
   }
@@ -164,8 +155,7 @@ std::vector<std::string> DistributedDataParallelImpl::describe_buckets() const {
   for (const auto& b : buckets_) {
     std::ostringstream s;
     s << "bucket " << b.index << ": " << b.gradients.size() << " parameters, " << b.buffer.numel() << " elements ("
-      << megabytes(b.buffer.numel() * b.buffer.element_size()) << (quick_lane(b.index) ? ", quick lane" : "")
-      << "):";
+      << megabytes(b.buffer.numel() * b.buffer.element_size()) << "):";
     for (size_t p = 0; p < params_.size(); ++p)
       if (bucket_of_[p] == b.index) s << " " << param_names_[p];
     lines.push_back(s.str());
@@ -189,16 +179,11 @@ void DistributedDataParallelImpl::link_grad(size_t p) {
 }
 
 torch::Tensor DistributedDataParallelImpl::forward(torch::Tensor input) {
-  if (!is_training() || !torch::GradMode::is_enabled()) {
-    settle();
-    return module_.forward(std::move(input));
-  }
-  if (!update_ || !layer_by_layer_) settle();
-  {
+  if (is_training() && torch::GradMode::is_enabled()) {
     std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(posted_.empty(), "DDP: forward called while the previous backward is still communicating");
     expecting_backward_ = true;
     callback_queued_ = false;
-    posted_ = 0;
     pending_.assign(buckets_.size(), 0);
     ready_.assign(params_.size(), false);
     for (size_t p = 0; p < params_.size(); ++p) {
@@ -206,14 +191,7 @@ torch::Tensor DistributedDataParallelImpl::forward(torch::Tensor input) {
       link_grad(p);
     }
   }
-  torch::Tensor output = module_.forward(std::move(input));
-  settle();  // the buckets of layers that did not ask for theirs
-  return output;
-}
-
-void DistributedDataParallelImpl::defer_update(std::function<void()> step) {
-  settle();
-  update_ = std::move(step);
+  return module_.forward(std::move(input));
 }
 
 void DistributedDataParallelImpl::mark_ready(size_t p) {
@@ -229,23 +207,29 @@ void DistributedDataParallelImpl::mark_ready(size_t p) {
   ready_[p] = true;
   const size_t b = bucket_of_[p];
   if (--pending_[b] > 0) return;
-  for (; posted_ < buckets_.size() && pending_[posted_] == 0; ++posted_) {
-    const size_t next = posted_;
-    TORCH_CHECK(!in_flight_[next], "DDP: bucket ", next, " is posted before its last average was used");
-    if (next == 0) hook_->begin_step();
-    in_flight_[next] = lane_[next]->post([this, next](Channel& channel) { communicate(next, channel); });
-  }
+  for (size_t next = posted_.size(); next < buckets_.size() && pending_[next] == 0; ++next)
+    posted_.push_back(stream_->post([this, next](Channel& channel) { communicate(next, channel); }));
 }
 
 void DistributedDataParallelImpl::finalize_backward() {
-  size_t posted = 0;
+  std::vector<CollectiveStream::Ticket> posted;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     expecting_backward_ = false;
-    posted = posted_;
+    posted.swap(posted_);
   }
-  if (!update_) settle();
-  if (posted < buckets_.size()) {
+  const auto start = std::chrono::steady_clock::now();
+  std::exception_ptr error;
+  for (const auto ticket : posted) {
+    try {
+      stream_->wait(ticket);
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (error) std::rethrow_exception(error);
+  if (posted.size() < buckets_.size()) {
     std::string missing;
     for (size_t p = 0; p < params_.size(); ++p)
       if (!ready_[p]) missing += " " + param_names_[p];
@@ -254,72 +238,9 @@ void DistributedDataParallelImpl::finalize_backward() {
   }
 }
 
-void DistributedDataParallelImpl::settle() {
-  std::exception_ptr error;
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    try {
-      settle(b);
-    } catch (...) {
-      if (!error) error = std::current_exception();
-    }
-  }
-  if (error) std::rethrow_exception(error);
-}
-
-void DistributedDataParallelImpl::settle_layer(const torch::nn::Module& layer) {
-  for (const auto& t : layer.parameters()) {
-    const auto it = param_index_.find(t.unsafeGetTensorImpl());
-    if (it != param_index_.end()) settle(bucket_of_[it->second]);
-  }
-}
-
-void DistributedDataParallelImpl::settle(size_t b) {
-  std::optional<CollectiveStream::Ticket> ticket;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ticket.swap(in_flight_[b]);
-  }
-  if (!ticket) return;
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    lane_[b]->wait(*ticket);
-  } catch (...) {
-    wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    throw;
-  }
-  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  wire_stats_.elements += std::exchange(bucket_wire_[b].elements, 0);
-  wire_stats_.bytes += std::exchange(bucket_wire_[b].bytes, 0);
-  if (update_) update(b);
-}
-
-// Steps bucket b's parameters alone: the others' gradients are hidden from
-// the optimizer meanwhile. Then zeroes the bucket for the next backward.
-void DistributedDataParallelImpl::update(size_t b) {
-  const auto start = std::chrono::steady_clock::now();
-  std::vector<size_t> hidden;
-  for (size_t p = 0; p < params_.size(); ++p) {
-    if (bucket_of_[p] == b) continue;
-    params_[p].mutable_grad() = torch::Tensor();
-    hidden.push_back(p);
-  }
-  auto unhide = [&] {
-    for (const size_t p : hidden) params_[p].mutable_grad() = grad_views_[p];
-  };
-  try {
-    update_();
-  } catch (...) {
-    unhide();
-    throw;
-  }
-  unhide();
-  buckets_[b].buffer.zero_();
-  update_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
 void DistributedDataParallelImpl::communicate(size_t b, Channel& channel) {
   GradBucket& bucket = buckets_[b];
-  GroupWire wire(channel, bucket_wire_[b]);
+  GroupWire wire(channel, wire_stats_);
   FuturePtr result = hook_->run(bucket, wire);
   result->waitAndThrow();
   const torch::Tensor averaged = future_tensor(result);
@@ -331,7 +252,6 @@ void DistributedDataParallelImpl::communicate(size_t b, Channel& channel) {
 // differs" settle it. Only when some rank differs does rank 0 send its whole
 // state, so each rank can measure how far it is off.
 void DistributedDataParallelImpl::check_replicas(const std::string& when) {
-  settle();
   torch::NoGradGuard no_grad;
   std::vector<std::string> names;
   std::vector<torch::Tensor> tensors;

@@ -18,21 +18,16 @@ NetImpl::NetImpl() {
 
 torch::Tensor NetImpl::norm_relu(const std::string& name, const torch::Tensor& x) {
   const std::shared_ptr<torch::nn::Module> layer = named_children()[name];
-  before(*layer);
   return batch_norm_relu(*layer, x);
 }
 
 torch::Tensor NetImpl::forward(torch::Tensor x) {
-  before(*conv1);
   x = norm_relu("bn1", conv1->forward(x));
-  before(*conv2);
   x = norm_relu("bn2", conv2->forward(x));
   x = max_pool2_dropout(x, 0.25, is_training());
   x = torch::flatten(x, 1);
-  before(*fc1);
   x = torch::relu(fc1->forward(x));
   x = net_dropout(x, 0.5, is_training());
-  before(*fc2);
   return torch::log_softmax(fc2->forward(x), 1);
 }
 

@@ -31,30 +31,19 @@ MetricsFile::MetricsFile(const files::Directory& dir, int64_t resumed_step) {
 
 void MetricsFile::restart_rows() {
   row_start_ = std::chrono::steady_clock::now();
-  row_images_ = row_steps_ = row_bytes_ = row_sent_ = 0;
-  row_.clear();
+  row_images_ = row_steps_ = row_bytes_ = 0;
 }
 
-void MetricsFile::count_step(int64_t images) {
+void MetricsFile::count_step(int64_t images, int64_t wire_bytes) {
   row_images_ += images;
+  row_bytes_ += wire_bytes;
   ++row_steps_;
 }
 
-void MetricsFile::count_bytes(int64_t wire_bytes) {
-  row_bytes_ += wire_bytes;
-  ++row_sent_;
-  write_when_counted();
-}
-
 void MetricsFile::train(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr) {
-  row_ = fmt::format("{},{},train,{:.6f},{:.4f},{:.4f},{:.6g},", epoch, step, loss, top1, top5, lr);
-  write_when_counted();
-}
-
-void MetricsFile::write_when_counted() {
-  if (row_.empty() || row_sent_ < row_steps_) return;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - row_start_).count();
-  out_.write(fmt::format("{}{:.1f},{:.0f}\n", row_, static_cast<double>(row_images_) / seconds,
+  out_.write(fmt::format("{},{},train,{:.6f},{:.4f},{:.4f},{:.6g},{:.1f},{:.0f}\n", epoch, step, loss, top1, top5, lr,
+                         static_cast<double>(row_images_) / seconds,
                          static_cast<double>(row_bytes_) / static_cast<double>(std::max<int64_t>(1, row_steps_))));
   restart_rows();
 }
@@ -77,15 +66,13 @@ std::string progress_line(int64_t epoch, int64_t done, int64_t total, double ima
 
 // ---- summary.json ----
 
-void StepStats::add_step(double forward_s, double backward_s, double optimizer_s, double waiting_s) {
+void StepStats::add_step(double forward_s, double backward_s, double optimizer_s, double waiting_s, int64_t sent,
+                         bool compressed) {
   ++steps;
   forward += forward_s;
   backward += backward_s;
   optimizer += optimizer_s;
   waiting += waiting_s;
-}
-
-void StepStats::add_sent(int64_t sent, bool compressed) {
   wire_bytes += sent;
   if (compressed) {
     ++compressed_steps;
@@ -102,10 +89,10 @@ void log_training(const StepStats& s, int64_t uncompressed_bytes_per_step, const
                   int64_t start_powersgd_iter) {
   if (s.steps == 0) return;
   const double ms = 1000.0 / static_cast<double>(s.steps);
-  spdlog::info("Training: {} steps in {:.1f} s, {:.0f} images/s, {:.1f} ms/step (forward {:.1f}, backward {:.1f}, "
-               "optimizer {:.1f}, waiting on communication {:.1f})",
+  spdlog::info("Training: {} steps in {:.1f} s, {:.0f} images/s, {:.1f} ms/step (forward {:.1f}, backward {:.1f} "
+               "of which {:.1f} waiting on communication, optimizer {:.1f})",
                s.steps, s.seconds, s.images / s.seconds, s.seconds * ms, s.forward * ms, s.backward * ms,
-               s.optimizer * ms, s.waiting * ms);
+               s.waiting * ms, s.optimizer * ms);
   if (s.compressed_steps == 0)
     spdlog::warn("PowerSGD never started: --start-powersgd-iter {} is beyond the {} steps run; the next line is "
                  "the plain allreduce's",

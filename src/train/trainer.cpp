@@ -135,8 +135,6 @@ Trainer::Trainer(const Options& opts, const RunContext& run, Job& job)
   optimizer_ = std::make_unique<torch::optim::SGD>(
       ddp_->parameters(), torch::optim::SGDOptions(opts.lr).momentum(opts.momentum).weight_decay(opts.weight_decay));
   if (resumed) at_ = restore(*resumed, parts(), opts, job);
-  ddp_->defer_update([this] { optimizer_->step(); });
-  counted_bytes_ = ddp_->wire().bytes;
   if (job.rank == 0) {
     dir_.emplace(opts.path);
     metrics_.emplace(*dir_, resumed ? at_.step : -1);
@@ -192,7 +190,7 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
   report.lr = current_lr(*optimizer_);
   const auto start = Clock::now();
   if (metrics_) metrics_->restart_rows();
-  const int64_t bytes_at_start = ddp_->wire().bytes, elements_at_start = ddp_->wire().elements;  // all settled
+  const int64_t bytes_at_start = ddp_->wire().bytes, elements_at_start = ddp_->wire().elements;
   int64_t images = 0;
   double smoothed_loss = 0;  // rank 0's own, for the progress line
   auto drawn = Clock::now() - std::chrono::seconds(1);
@@ -213,6 +211,7 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
       spdlog::info("Startup: first step {:.2f} s after launch", startup);
       if (summary_) summary_->set("startup_s", startup);
     }
+    const int64_t bytes_before = ddp_->wire().bytes;
     torch::Tensor output;
     const torch::Tensor loss = step(x, y, output);
     if (at_.step == kill_after_step_) raise(SIGKILL);
@@ -220,7 +219,7 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
     at_.batch = b + 1;
     ++report.steps;
     images += y.size(0) * job_.world_size;
-    if (metrics_) metrics_->count_step(y.size(0) * job_.world_size);
+    if (metrics_) metrics_->count_step(y.size(0) * job_.world_size, ddp_->wire().bytes - bytes_before);
     if (b % opts_.log_interval == 0) log_train(report, b, batches, loss, output, y);
     if ((stop_signal_ = stop_vote_.after_step())) break;
     if (opts_.checkpoint_steps > 0 && at_.step % opts_.checkpoint_steps == 0) save_checkpoint();
@@ -236,7 +235,6 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
     }
   }
   show_progress("");
-  settle();
   // The epoch is done once trained; a preemption at its last step leaves
   // its test pass to the resumed run.
   if (at_.batch >= batches && !stop_signal_) at_ = {epoch + 1, 0, at_.step, at_.best_accuracy};
@@ -253,8 +251,6 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
   return report;
 }
 
-// The optimizer's step is DDP's deferred update: this step's forward
-// applies the step before's, bucket by bucket as its layers need them.
 torch::Tensor Trainer::step(const torch::Tensor& x, const torch::Tensor& y, torch::Tensor& output) {
   const bool compressed = ddp_->hook().compression_started();
   if (compressed && stats_.compression_started_at < 0) {
@@ -262,10 +258,11 @@ torch::Tensor Trainer::step(const torch::Tensor& x, const torch::Tensor& y, torc
     if (opts_.compression.find("powersgd") != std::string::npos)
       spdlog::info("Start to apply PowerSGD after {} iterations.", at_.step);
   }
-  const double waiting_before = ddp_->communication_wait_seconds(), updating_before = ddp_->update_seconds();
+  const int64_t bytes_before = ddp_->wire().bytes;
+  const double waiting_before = ddp_->communication_wait_seconds();
   const auto t0 = Clock::now();
+  optimizer_->zero_grad();
   output = ddp_->forward(x);
-  count_sent();  // the step before is settled
   // The model ends in log_softmax, so the reference's cross-entropy on its
   // output equals the negative log-likelihood of that output.
   const torch::Tensor loss = torch::nll_loss(output, y);
@@ -273,26 +270,12 @@ torch::Tensor Trainer::step(const torch::Tensor& x, const torch::Tensor& y, torc
   const auto t1 = Clock::now();
   loss.backward();
   const auto t2 = Clock::now();
-  unsettled_step_ = compressed;
-  const double waiting = ddp_->communication_wait_seconds() - waiting_before;
-  const double updating = ddp_->update_seconds() - updating_before;
-  stats_.add_step(seconds_between(t0, t1) - waiting - updating, seconds_between(t1, t2), updating, waiting);
+  optimizer_->step();
+  const auto t3 = Clock::now();
+  stats_.add_step(seconds_between(t0, t1), seconds_between(t1, t2), seconds_between(t2, t3),
+                  ddp_->communication_wait_seconds() - waiting_before, ddp_->wire().bytes - bytes_before, compressed);
   ++at_.step;
   return loss;
-}
-
-void Trainer::settle() {
-  ddp_->settle();
-  count_sent();
-}
-
-void Trainer::count_sent() {
-  const int64_t sent = ddp_->wire().bytes - counted_bytes_;
-  counted_bytes_ = ddp_->wire().bytes;
-  if (!unsettled_step_) return;
-  stats_.add_sent(sent, *unsettled_step_);
-  if (metrics_) metrics_->count_bytes(sent);
-  unsettled_step_.reset();
 }
 
 void Trainer::log_train(EpochReport& report, int64_t batch, int64_t batches, const torch::Tensor& loss,
@@ -331,7 +314,6 @@ void Trainer::test(EpochReport& report) {
 }
 
 void Trainer::save_checkpoint() {
-  settle();
   const std::optional<Checkpoint> c = capture(at_, *ddp_, parts(), opts_, run_.arguments, job_);
   if (!c) return;  // not rank 0
   const std::string dir = checkpoint_dir(opts_);

@@ -4,11 +4,8 @@
 // rank's gradients (NOT yet divided by the world size) and returns a future
 // of a tensor shaped like the bucket that holds the average. DDP runs hooks
 // as tasks of the ordered collective stream, one bucket at a time and in
-// order on every rank on the bucket's lane (ddp.hpp), so a hook may wait on
-// its own collectives. A step's buckets may run on two lanes at once, each
-// lane's thread running its own: a hook's per-bucket state is its bucket's
-// alone, and what a step shares (is it compressing? which seed?) is fixed by
-// begin_step() before any of the step's buckets runs.
+// bucket order on every rank, so a hook may wait on its own collectives; see
+// ddp.hpp and collectives.hpp.
 //
 // Hooks talk to the other ranks only through a Wire. The fp16 wrapper hands
 // the hook it wraps a wire that sends float16, so it composes with any hook
@@ -21,7 +18,6 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -39,6 +35,7 @@ struct HookState {
 
 struct GradBucket {
   size_t index = 0;     // position in launch order
+  bool is_last = false; // the last bucket of a step: per-step state advances here
   torch::Tensor buffer; // flat, this rank's gradients, not divided by world size
   // Views into buffer, shaped as the parameters, lying in order without gaps.
   std::vector<torch::Tensor> gradients;
@@ -70,19 +67,19 @@ struct WireStats {
 // The wire of the collective stream's channel, for use inside a task.
 // Counts what it sends into `stats`.
 //
-// Note on the link. Without shared memory, a float16 tensor of more than
-// kLinkPieceBytes on the CPU goes round a ring of point-to-point transfers
+// Note on the link. Without shared memory, a float16 tensor of 64 Ki
+// elements or more on the CPU goes round a ring of point-to-point transfers
 // that adds in float32: Gloo's own allreduce adds float16 one element at a
 // time, which made the fp16 hook slower than sending float32. The ring sends
 // pieces of kLinkPieceBytes, kLinkPiecesInFlight at a time: a link's
 // bottleneck queue is often one FIFO (a switch's buffer; here tc's tbf),
 // and a whole 1.2 MB chunk in it kept the quick lane's small collectives
 // (SyncBatchNorm's, which computation waits on) up to 100 ms behind it at
-// 100 Mbit/s (fp16 there: 308 -> 214 ms/step). Everything else, float32
-// buckets included, goes to Gloo's allreduce, asynchronously: the same ring
-// for float32 was 5% faster at 1 Gbit/s but 22% slower unshaped (44 against
-// 36 ms/step, docs/performance.md), its pieces costing the one core a node
-// has here more than they saved.
+// 100 Mbit/s (fp16 there: 319 -> 213 ms/step, docs/performance.md).
+// Everything else, float32 buckets included, goes to Gloo's allreduce,
+// asynchronously: the same ring for float32 was 5% faster at 1 Gbit/s but
+// 22% slower unshaped (44 against 36 ms/step), its pieces costing the one
+// core a node has there more than they saved.
 constexpr int64_t kLinkPieceBytes = 256 * 1024;
 constexpr int kLinkPiecesInFlight = 2;
 
@@ -118,9 +115,6 @@ class CommHook {
   virtual ~CommHook() = default;
   // The --compression name.
   virtual std::string name() const = 0;
-  // Called before each step's first bucket is posted, once the previous
-  // step's buckets have all run: per-step state advances here.
-  virtual void begin_step() {}
   virtual FuturePtr run(GradBucket& bucket, Wire& wire) = 0;
   // Whether the coming step compresses as fully as this hook ever will
   // (false during PowerSGD's plain-allreduce warm-up).
@@ -141,7 +135,6 @@ class Fp16Wrapper : public CommHook {
  public:
   explicit Fp16Wrapper(std::unique_ptr<CommHook> inner) : inner_(std::move(inner)) {}
   std::string name() const override { return inner_->name() == "none" ? "fp16" : inner_->name() + "_fp16"; }
-  void begin_step() override { inner_->begin_step(); }
   FuturePtr run(GradBucket& bucket, Wire& wire) override;
   bool compression_started() const override { return inner_->compression_started(); }
   HookState state() const override { return inner_->state(); }
@@ -155,26 +148,19 @@ class Fp16Wrapper : public CommHook {
 struct PowerSgdState {
   explicit PowerSgdState(const PowerSgdOptions& options) : options(options) {}
 
-  // One bucket's memories, undefined until first used.
-  struct Memory {
-    torch::Tensor error;  // this rank's compression error
-    torch::Tensor p, q;   // flat P and Q of every compressed matrix; Q reused when warm-starting
-  };
-  // Bucket `b`'s memories. The lanes' threads may call it at once, each for
-  // buckets of its own.
-  Memory& memory(size_t b);
-  // The seed Q of bucket `b` is drawn from at step `step`: the same on every
-  // rank, whichever bucket runs first.
-  uint64_t seed(int64_t step, size_t b) const;
+  // A fresh seed for drawing Q, the same sequence on every rank.
+  uint64_t next_seed();
+  // Counts a step; call on its last bucket.
+  void finish_step();
   HookState save() const;
   void load(const HookState& state);
 
   PowerSgdOptions options;
-  int64_t iter = 0;  // steps begun
-
- private:
-  mutable std::mutex mutex_;  // guards memories_'s shape; a Memory is its bucket's thread's
-  std::map<size_t, Memory> memories_;
+  int64_t iter = 0;       // steps finished
+  uint64_t draws = 0;     // seeds drawn so far
+  std::map<size_t, torch::Tensor> error;     // bucket -> this rank's compression error
+  std::map<size_t, torch::Tensor> p_memory;  // bucket -> flat P of every compressed matrix
+  std::map<size_t, torch::Tensor> q_memory;  // bucket -> flat Q, reused when warm-starting
 };
 
 // Note on exact math. What a rank computes from a collective's result and
@@ -206,9 +192,7 @@ void orthogonalize(torch::Tensor& matrix, double epsilon, Sums sums = Sums::kExa
 // start_iter; then compress() averages the bucket in place.
 class PowerSgdBase : public CommHook {
  public:
-  void begin_step() final { step_ = state_.iter++; }
   FuturePtr run(GradBucket& bucket, Wire& wire) final;
-  // Whether the coming step compresses.
   bool compression_started() const override { return state_.iter >= state_.options.start_iter; }
   HookState state() const override { return state_.save(); }
   void load_state(const HookState& state) override { state_.load(state); }
@@ -217,7 +201,6 @@ class PowerSgdBase : public CommHook {
   explicit PowerSgdBase(const PowerSgdOptions& options) : state_(options) {}
   virtual void compress(GradBucket& bucket, Wire& wire) = 0;
   PowerSgdState state_;
-  int64_t step_ = 0;  // the step whose buckets run now
 };
 
 // powersgd: per bucket, error feedback; each gradient seen as an n x m

@@ -7,40 +7,26 @@
 // view into its bucket's flat buffer, so no gradient is ever copied.
 //
 // During backward, a hook on each parameter's gradient accumulator marks it
-// ready; a bucket whose gradients are all ready is posted at once to its
-// lane, an ordered collective stream (collectives.hpp) whose thread runs the
+// ready; a bucket whose gradients are all ready is posted at once to the
+// rank's ordered collective stream (collectives.hpp), whose thread runs the
 // communication hook on it, so its communication overlaps the rest of
-// backward. Then either:
-// - backward ends by waiting for every bucket, and the caller steps its
-//   optimizer on averaged gradients; or
-// - with defer_update(), backward returns at once and each bucket is stepped
-//   (only its parameters) and zeroed as soon as it is needed: by the next
-//   forward, layer by layer when the module is a LayerByLayer, or by
-//   settle(). So a bucket crossing a slow link overlaps the next forward's
-//   layers that do not need it.
+// backward. When backward ends, DDP waits for every bucket, and the optimizer
+// then sees averaged gradients.
 //
-// Note on lanes. The last buckets of backward (the first layers) are the
-// first the next forward needs, and they are small; behind a large bucket on
-// one ordered stream they would wait until it has crossed. So a bucket of at
-// most kQuickLaneBucketBytes goes on the job's quick lane (rendezvous.hpp),
-// the others on its bulk stream. Which lane a bucket takes depends on its
-// size alone, and each lane is ordered in itself: buckets are posted
-// strictly in index order, from autograd's thread, between the
-// SyncBatchNorm collectives posted from the same thread; a hook issues all
-// of a bucket's collectives (PowerSGD issues several) within its one task.
-// So every rank issues the same collectives in the same order on each lane.
+// Note on order: buckets are posted strictly in index order, from autograd's
+// thread, between the SyncBatchNorm collectives posted from the same thread;
+// a hook issues all of a bucket's collectives (PowerSGD issues several)
+// within its one task. So every rank issues the same collectives in the same
+// order (see collectives.hpp).
 #pragma once
 
 #include <torch/torch.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "mnist_ddp/train/comm_hooks.hpp"
@@ -56,18 +42,6 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<int
                                                            int64_t first_cap_bytes, int64_t cap_bytes);
 
 constexpr int64_t kFirstBucketCapBytes = 1024 * 1024;  // as PyTorch: the first bucket launches early
-constexpr int64_t kQuickLaneBucketBytes = kLinkPieceBytes;  // sent in one piece (comm_hooks.hpp)
-
-// A module whose forward calls before(layer) ahead of using each layer's
-// parameters, so that DDP's deferred update (above) waits layer by layer.
-class LayerByLayer {
- public:
-  virtual ~LayerByLayer() = default;
-  void before(const torch::nn::Module& layer) const {
-    if (before_layer) before_layer(layer);
-  }
-  std::function<void(const torch::nn::Module& layer)> before_layer;  // set by DDP
-};
 
 class DistributedDataParallelImpl : public torch::nn::Module {
  public:
@@ -83,33 +57,21 @@ class DistributedDataParallelImpl : public torch::nn::Module {
   // gradient synchronisation of the next backward.
   torch::Tensor forward(torch::Tensor input);
 
-  // From now on `step` updates the parameters, one bucket at a time (see
-  // the top of this file): it must update exactly those parameters that
-  // have a gradient, as LibTorch's optimizers do. The caller no longer
-  // steps or zeroes gradients itself, and calls settle() before anything
-  // reads the parameters or the optimizer's state outside forward.
-  void defer_update(std::function<void()> step);
-  // Waits for every bucket still being communicated, and, when deferred,
-  // updates its parameters.
-  void settle();
-
   std::shared_ptr<torch::nn::Module> module() const { return module_.ptr(); }
   CommHook& hook() { return *hook_; }
   const CommHook& hook() const { return *hook_; }
   // What the hook has put on the wire so far.
   const WireStats& wire() const { return wire_stats_; }
-  // Seconds spent waiting for buckets still being communicated: the
-  // communication that did not overlap computation.
+  // Seconds backward has spent, at its end, waiting for buckets still being
+  // communicated: the communication that did not overlap computation.
   double communication_wait_seconds() const { return wait_seconds_; }
-  // Seconds the deferred update has taken.
-  double update_seconds() const { return update_seconds_; }
   // Compares every rank's parameters and buffers with rank 0's, bit for bit
   // (`when` says when, for the message). Throws, on rank 0, a
   // std::runtime_error naming each differing rank, its largest difference
   // and the tensor holding it; on the other ranks a PeerLost. Every rank
   // must call it; it blocks until all have.
   void check_replicas(const std::string& when);
-  // One line per bucket: index, parameters, elements, bytes, lane.
+  // One line per bucket: index, parameters, elements, bytes.
   std::vector<std::string> describe_buckets() const;
   const std::vector<GradBucket>& buckets() const { return buckets_; }
 
@@ -117,27 +79,18 @@ class DistributedDataParallelImpl : public torch::nn::Module {
   void link_grad(size_t param);
   void mark_ready(size_t param);
   void finalize_backward();
-  void communicate(size_t bucket, Channel& channel);  // a task on the bucket's lane
-  void settle(size_t bucket);
-  void settle_layer(const torch::nn::Module& layer);
-  void update(size_t bucket);
-  bool quick_lane(size_t bucket) const { return lane_[bucket] != stream_; }
+  void communicate(size_t bucket, Channel& channel);  // a task on the stream
 
   torch::nn::AnyModule module_;
   std::unique_ptr<CommHook> hook_;
   std::shared_ptr<CollectiveStream> stream_;
-  std::vector<std::shared_ptr<CollectiveStream>> lane_;  // bucket -> its lane
-  std::function<void()> update_;                         // see defer_update
-  bool layer_by_layer_ = false;                          // the module is a LayerByLayer
-  WireStats wire_stats_;  // the settled buckets'
+  WireStats wire_stats_;  // written by the stream's tasks
   torch::Device device_;
   std::vector<torch::Tensor> params_;        // registration order
   std::vector<std::string> param_names_;
-  std::unordered_map<const void*, size_t> param_index_;  // a parameter's TensorImpl -> its index
   std::vector<size_t> bucket_of_;            // param -> bucket
   std::vector<torch::Tensor> grad_views_;    // param -> view into its bucket
   std::vector<GradBucket> buckets_;
-  std::vector<WireStats> bucket_wire_;       // bucket -> what its task sent, until settled
   // Keeps the accumulators (and so our hooks on them) alive: autograd holds
   // them only weakly.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
@@ -149,9 +102,8 @@ class DistributedDataParallelImpl : public torch::nn::Module {
   bool callback_queued_ = false;
   std::vector<int> pending_;       // bucket -> gradients not yet ready
   std::vector<bool> ready_;        // param -> its gradient is ready
-  size_t posted_ = 0;              // buckets [0, posted_) of this backward are posted
-  std::vector<std::optional<CollectiveStream::Ticket>> in_flight_;  // bucket -> its task, until settled
-  double wait_seconds_ = 0, update_seconds_ = 0;
+  std::vector<CollectiveStream::Ticket> posted_;  // buckets [0, posted_.size()) are on the stream
+  double wait_seconds_ = 0;
 };
 TORCH_MODULE(DistributedDataParallel);
 

@@ -7,13 +7,9 @@
 
 #include <torch/torch.h>
 
-#include "mnist_ddp/train/ddp.hpp"
-
 namespace mnist_ddp {
 
-// A LayerByLayer (ddp.hpp): under DDP's deferred update, its forward waits
-// for each layer's parameters only when it reaches that layer.
-class NetImpl : public torch::nn::Module, public LayerByLayer {
+class NetImpl : public torch::nn::Module {
  public:
   NetImpl();
   torch::Tensor forward(torch::Tensor x);

@@ -30,9 +30,7 @@ using Json = nlohmann::ordered_json;
 
 // <path>/metrics.csv on rank 0. A resumed run keeps the rows up to the step
 // it resumes from. A training row's speed and bytes cover the steps counted
-// since the previous row (or since restart_rows()). What a step sent is
-// known only once its buckets are settled (ddp.hpp), during the next step:
-// a training row is written once every step in it has its bytes counted.
+// since the previous row (or since restart_rows()).
 class MetricsFile {
  public:
   static constexpr const char* kHeader = "epoch,step,split,loss,top1,top5,lr,images_per_s,wire_bytes_per_step";
@@ -42,19 +40,14 @@ class MetricsFile {
   // `resumed_step` < 0: a fresh run, the file starts empty.
   MetricsFile(const files::Directory& dir, int64_t resumed_step);
   void restart_rows();  // at the start of an epoch
-  void count_step(int64_t images);
-  void count_bytes(int64_t wire_bytes);  // what the earliest step not yet counted sent
+  void count_step(int64_t images, int64_t wire_bytes);
   void train(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr);
   void test(int64_t epoch, int64_t step, double loss, double top1, double top5, double lr);
 
  private:
-  void write_when_counted();
-
   files::AppendFile out_;
   std::chrono::steady_clock::time_point row_start_ = std::chrono::steady_clock::now();
   int64_t row_images_ = 0, row_steps_ = 0, row_bytes_ = 0;  // all ranks' images; this rank's bytes
-  int64_t row_sent_ = 0;                                    // steps whose bytes are counted
-  std::string row_;  // a training row waiting for its bytes, up to its images/s
 };
 
 // "Epoch 3 [=======>            ] 640/1875  1234 images/s  loss 0.2345  ETA 1:05"
@@ -72,11 +65,10 @@ struct StepStats {
   int64_t compressed_bytes = 0;  // ...and what those steps sent
   int64_t compression_started_at = -1;  // the step it started at; -1: not in this run
 
-  // Counts a step: its seconds in forward, backward, the optimizer and
-  // waiting on communication.
-  void add_step(double forward_s, double backward_s, double optimizer_s, double waiting_s);
-  // Counts what a step sent, and whether it compressed, once known.
-  void add_sent(int64_t sent, bool compressed);
+  // Counts a step: its seconds in forward, backward and the optimizer, of
+  // which `waiting` on communication, and what it sent.
+  void add_step(double forward_s, double backward_s, double optimizer_s, double waiting_s, int64_t sent,
+                bool compressed);
   // Bytes on the wire per step once compression started; if it never did,
   // over every step (what the plain allreduce sends).
   double bytes_per_step() const;

@@ -53,11 +53,6 @@ class Trainer {
   void log_train(EpochReport& report, int64_t batch, int64_t batches, const torch::Tensor& loss,
                  const torch::Tensor& output, const torch::Tensor& labels);
   void test(EpochReport& report);
-  // Every step's update applied (ddp.hpp: the deferred update), and what
-  // the last step sent counted.
-  void settle();
-  // Counts what the step whose buckets were settled since the last call sent.
-  void count_sent();
   void save_checkpoint();
   // Checkpoints the current step and logs why: preempted by `sig`. Returns it.
   int stop(int sig);
@@ -78,8 +73,6 @@ class Trainer {
   int checkpoint_writes_ = 0;  // file operations of checkpointing, for run_.faults.kill_at_write
   Position at_;
   StepStats stats_;
-  std::optional<bool> unsettled_step_;  // a step's bytes are not yet counted; did it compress?
-  int64_t counted_bytes_ = 0;           // ddp_->wire().bytes when count_sent() last ran
   int replica_checks_ = 0;
   int stop_signal_ = 0;  // the preemption signal the ranks agreed to stop on
   std::optional<files::RunDirectory> dir_;  // rank 0: --path
