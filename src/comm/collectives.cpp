@@ -70,6 +70,7 @@ std::vector<torch::Tensor> Channel::gather_to_rank0(const torch::Tensor& tensor)
 }
 
 void Channel::exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from, int64_t piece, int depth) {
+  TORCH_CHECK(piece > 0 && depth > 0 && in.numel() == out.numel(), "exchange: bad pieces or sizes");
   issue("exchange", out);
   using WorkPtr = decltype(group_->send(std::declval<std::vector<at::Tensor>&>(), 0, 0));
   std::deque<std::pair<WorkPtr, WorkPtr>> in_flight;  // sent, received

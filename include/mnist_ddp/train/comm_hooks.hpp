@@ -71,15 +71,14 @@ struct WireStats {
 // elements or more on the CPU goes round a ring of point-to-point transfers
 // that adds in float32: Gloo's own allreduce adds float16 one element at a
 // time, which made the fp16 hook slower than sending float32. The ring sends
-// pieces of kLinkPieceBytes, kLinkPiecesInFlight at a time: a link's
-// bottleneck queue is often one FIFO (a switch's buffer; here tc's tbf),
-// and a whole 1.2 MB chunk in it kept the quick lane's small collectives
-// (SyncBatchNorm's, which computation waits on) up to 100 ms behind it at
-// 100 Mbit/s (fp16 there: 319 -> 213 ms/step, docs/performance.md).
-// Everything else, float32 buckets included, goes to Gloo's allreduce,
-// asynchronously: the same ring for float32 was 5% faster at 1 Gbit/s but
-// 22% slower unshaped (44 against 36 ms/step), its pieces costing the one
-// core a node has there more than they saved.
+// pieces of kLinkPieceBytes, kLinkPiecesInFlight at a time, not a whole
+// chunk per exchange: over a shaped link that took fp16 from 326 to 214
+// ms/step at 100 Mbit/s and from 54 to 46 at 1 Gbit/s (docs/performance.md;
+// the link's queue peaked at about 0.4 MB either way, so why was not pinned
+// down). Everything else, float32 buckets included, goes to Gloo's
+// allreduce, asynchronously: the same pieced ring for float32 was 5% faster
+// at 1 Gbit/s but 22% slower unshaped (44 against 36 ms/step), its pieces
+// costing the one core a node has there more than they saved.
 constexpr int64_t kLinkPieceBytes = 256 * 1024;
 constexpr int kLinkPiecesInFlight = 2;
 
