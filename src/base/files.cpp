@@ -78,14 +78,12 @@ void make_directories(const std::string& path) {
 
 DirectoryLock::DirectoryLock(const std::string& dir, const std::string& holder) {
   const std::string file = join(dir, ".lock");
-  fd_ = open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
-  if (fd_ < 0) throw std::runtime_error("--path " + dir + ": cannot open " + file + ": " + std::strerror(errno));
-  if (flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+  fd_ = OwnedFd(open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644));
+  if (fd_.get() < 0) throw std::runtime_error("--path " + dir + ": cannot open " + file + ": " + std::strerror(errno));
+  if (flock(fd_.get(), LOCK_EX | LOCK_NB) != 0) {
     const int error = errno;
     char said[256] = {};
-    const ssize_t n = pread(fd_, said, sizeof said - 1, 0);
-    close(fd_);
-    fd_ = -1;
+    const ssize_t n = pread(fd_.get(), said, sizeof said - 1, 0);
     std::string who(said, n > 0 ? static_cast<size_t>(n) : 0);
     who = who.substr(0, who.find('\n'));
     if (error != EWOULDBLOCK)
@@ -95,13 +93,13 @@ DirectoryLock::DirectoryLock(const std::string& dir, const std::string& holder) 
                              "): give this one a --path of its own, or wait for that one to end");
   }
   const std::string me = holder + ", pid " + std::to_string(getpid()) + "\n";
-  if (ftruncate(fd_, 0) != 0 || pwrite(fd_, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
+  if (ftruncate(fd_.get(), 0) != 0 || pwrite(fd_.get(), me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
     // The lock holds all the same; only the name of its holder is missing.
   }
 }
 
-DirectoryLock::~DirectoryLock() {
-  if (fd_ >= 0) close(fd_);  // and with it the lock
+OwnedFd::~OwnedFd() {
+  if (fd_ >= 0) close(fd_);
 }
 
 std::vector<std::string> list_directory(const std::string& dir) {
@@ -131,21 +129,9 @@ void remove_tree(const std::string& path) {
 
 // ---- AppendFile ----
 
-AppendFile::AppendFile(AppendFile&& other) noexcept : fd_(other.fd_), path_(std::move(other.path_)) { other.fd_ = -1; }
-
-AppendFile& AppendFile::operator=(AppendFile&& other) noexcept {
-  std::swap(fd_, other.fd_);
-  std::swap(path_, other.path_);
-  return *this;
-}
-
-AppendFile::~AppendFile() {
-  if (fd_ >= 0) close(fd_);
-}
-
 void AppendFile::write(const std::string& text) {
   for (size_t done = 0; done < text.size();) {
-    const ssize_t n = ::write(fd_, text.data() + done, text.size() - done);
+    const ssize_t n = ::write(fd_.get(), text.data() + done, text.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) fail("write", path_);
     done += static_cast<size_t>(n);
@@ -153,18 +139,6 @@ void AppendFile::write(const std::string& text) {
 }
 
 // ---- Directory ----
-
-Directory::Directory(Directory&& other) noexcept : fd_(other.fd_), path_(std::move(other.path_)) { other.fd_ = -1; }
-
-Directory& Directory::operator=(Directory&& other) noexcept {
-  std::swap(fd_, other.fd_);
-  std::swap(path_, other.path_);
-  return *this;
-}
-
-Directory::~Directory() {
-  if (fd_ >= 0) close(fd_);
-}
 
 Directory Directory::open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -184,8 +158,8 @@ Directory Directory::open_own(const std::string& path, bool create) {
   }
   if (create) make_directories(parent);
   const Directory up = open(parent);
-  if (create && mkdirat(up.fd_, leaf.c_str(), 0777) != 0 && errno != EEXIST) fail("create the directory", path);
-  const int fd = openat(up.fd_, leaf.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (create && mkdirat(up.fd_.get(), leaf.c_str(), 0777) != 0 && errno != EEXIST) fail("create the directory", path);
+  const int fd = openat(up.fd_.get(), leaf.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) fail("open the directory", path, errno == ENOTDIR && up.is_link(leaf) ? ELOOP : errno);
   Directory dir(fd, path);
   struct stat st;
@@ -197,16 +171,16 @@ Directory Directory::open_own(const std::string& path, bool create) {
 
 bool Directory::has(const std::string& name) const {
   struct stat st;
-  return fstatat(fd_, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
+  return fstatat(fd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
 }
 
 bool Directory::is_link(const std::string& name) const {
   struct stat st;
-  return fstatat(fd_, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode);
+  return fstatat(fd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode);
 }
 
 std::vector<char> Directory::read(const std::string& name) const {
-  const int fd = openat(fd_, name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  const int fd = openat(fd_.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) fail("read", path_of(name));
   std::vector<char> bytes;
   char buf[1 << 16];
@@ -230,14 +204,14 @@ void Directory::write_atomically(const std::string& name, const std::vector<char
   int fd = -1;
   for (int attempt = 0; fd < 0 && attempt < 16; ++attempt) {
     tmp = unguessable(name);
-    fd = openat(fd_, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    fd = openat(fd_.get(), tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd < 0 && errno != EEXIST) break;
   }
   if (fd < 0) fail("write", path_of(tmp));
   auto undo = [&](const char* what, const std::string& file) {
     const int saved = errno;
     if (fd >= 0) close(fd);
-    unlinkat(fd_, tmp.c_str(), 0);
+    unlinkat(fd_.get(), tmp.c_str(), 0);
     fail(what, file, saved);
   };
   for (size_t done = 0; done < bytes.size();) {
@@ -250,20 +224,20 @@ void Directory::write_atomically(const std::string& name, const std::vector<char
   const int closed = close(fd);
   fd = -1;
   if (closed != 0) undo("write", path_of(tmp));
-  if (renameat(fd_, tmp.c_str(), fd_, name.c_str()) != 0) undo("write", path_of(name));
+  if (renameat(fd_.get(), tmp.c_str(), fd_.get(), name.c_str()) != 0) undo("write", path_of(name));
 }
 
 AppendFile Directory::append(const std::string& name) const {
-  const int fd = openat(fd_, name.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+  const int fd = openat(fd_.get(), name.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) fail("open", path_of(name));
   return AppendFile(fd, path_of(name));
 }
 
-void Directory::remove(const std::string& name) const { unlinkat(fd_, name.c_str(), 0); }
+void Directory::remove(const std::string& name) const { unlinkat(fd_.get(), name.c_str(), 0); }
 
 std::vector<std::string> Directory::list() const {
   std::vector<std::string> names;
-  const int fd = openat(fd_, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);  // fdopendir takes the descriptor
+  const int fd = openat(fd_.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);  // fdopendir takes the descriptor
   DIR* d = fd >= 0 ? fdopendir(fd) : nullptr;
   if (!d) {
     if (fd >= 0) close(fd);
@@ -277,7 +251,7 @@ std::vector<std::string> Directory::list() const {
   return names;
 }
 
-void Directory::sync() const { fsync(fd_); }
+void Directory::sync() const { fsync(fd_.get()); }
 
 // ---- RunDirectory ----
 
@@ -292,9 +266,9 @@ RunDirectory::RunDirectory(const std::string& path) {
   } catch (const std::exception& e) {
     refuse(e.what());
   }
-  if (fstat(fd_, &st) != 0) refuse(std::strerror(errno));
+  if (fstat(fd_.get(), &st) != 0) refuse(std::strerror(errno));
   if (const std::string why = foreign(st.st_uid); !why.empty()) refuse(why + "; choose another --path");
-  if (faccessat(fd_, ".", W_OK | X_OK, AT_EACCESS) != 0) refuse("the directory is not writable");
+  if (faccessat(fd_.get(), ".", W_OK | X_OK, AT_EACCESS) != 0) refuse("the directory is not writable");
   for (const char* name : {"mnist_train.log", "metrics.csv", "summary.json", "mnist_model.pt", "checkpoint"})
     if (is_link(name))
       refuse(std::string(name) + " is a symbolic link, and mnist_ddp writes through none: remove it or choose "

@@ -28,6 +28,24 @@ bool is_directory(const std::string& path);
 // the directory that could not be created and why.
 void make_directories(const std::string& path);
 
+// A file descriptor this object owns: closed on destruction, moved not
+// copied; -1 for none.
+class OwnedFd {
+ public:
+  OwnedFd() = default;
+  explicit OwnedFd(int fd) : fd_(fd) {}
+  OwnedFd(OwnedFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  OwnedFd& operator=(OwnedFd&& other) noexcept {
+    std::swap(fd_, other.fd_);
+    return *this;
+  }
+  ~OwnedFd();
+  int get() const { return fd_; }
+
+ private:
+  int fd_ = -1;
+};
+
 // One job's hold on its --path: an exclusive lock on `<dir>/.lock`, taken
 // without waiting and held while the object lives; the kernel drops it
 // when the holder dies, so a crashed job never blocks the next. The file
@@ -38,12 +56,9 @@ class DirectoryLock {
   // std::runtime_error "--path <dir> is in use by ... (pid N): ..." when
   // another process holds it, or naming why the file cannot be made.
   DirectoryLock(const std::string& dir, const std::string& holder);
-  ~DirectoryLock();
-  DirectoryLock(const DirectoryLock&) = delete;
-  DirectoryLock& operator=(const DirectoryLock&) = delete;
 
  private:
-  int fd_ = -1;
+  OwnedFd fd_;  // closing it drops the lock
 };
 
 // The names in `dir`, without "." and "..", in no particular order; empty
@@ -61,15 +76,12 @@ class AppendFile {
  public:
   AppendFile() = default;
   AppendFile(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
-  AppendFile(AppendFile&& other) noexcept;
-  AppendFile& operator=(AppendFile&& other) noexcept;
-  ~AppendFile();
   // Writes all of `text`. Throws std::runtime_error naming the file.
   void write(const std::string& text);
-  int fd() const { return fd_; }
+  int fd() const { return fd_.get(); }
 
  private:
-  int fd_ = -1;
+  OwnedFd fd_;
   std::string path_;
 };
 
@@ -80,9 +92,6 @@ class AppendFile {
 class Directory {
  public:
   Directory() = default;
-  Directory(Directory&& other) noexcept;
-  Directory& operator=(Directory&& other) noexcept;
-  ~Directory();
 
   // Opens the directory `path` to read from it (a link the caller names is
   // followed).
@@ -94,7 +103,7 @@ class Directory {
 
   const std::string& path() const { return path_; }
   std::string path_of(const std::string& name) const { return join(path_, name); }
-  bool valid() const { return fd_ >= 0; }
+  bool valid() const { return fd_.get() >= 0; }
 
   // Whether `name` exists (a dangling link counts), and whether it is a
   // symbolic link.
@@ -117,7 +126,7 @@ class Directory {
 
  protected:
   Directory(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
-  int fd_ = -1;
+  OwnedFd fd_;
   std::string path_;
 };
 
