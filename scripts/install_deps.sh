@@ -27,6 +27,7 @@ test_packages=(
   iproute2                        # two nodes in two network namespaces
   slurm-wlm munge                 # a one-node Slurm cluster (tests/slurm/cluster.sh)
   openmpi-bin mpich               # real mpirun and mpiexec (tests/launchers_test.cpp)
+  dataset-fashion-mnist           # the examples/ train on it (tests/package_test.sh)
 )
 
 case "${1:-}" in

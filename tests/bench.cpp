@@ -33,27 +33,27 @@
 #include <string>
 #include <thread>
 
-#include "mnist_ddp/train/comm_hooks.hpp"
-#include "mnist_ddp/train/ddp.hpp"
-#include "mnist_ddp/comm/rendezvous.hpp"
-#include "mnist_ddp/base/files.hpp"
-#include "mnist_ddp/train/model.hpp"
+#include "mnist_ddp/parallel/comm_hooks.hpp"
+#include "mnist_ddp/parallel/distributed.hpp"
+#include "mnist_ddp/comm/process_group.hpp"
+#include "app/base/files.hpp"
+#include "app/train/model.hpp"
 #include "mnist_ddp/base/port.hpp"
-#include "mnist_ddp/train/sync_batch_norm.hpp"
+#include "mnist_ddp/parallel/sync_batch_norm.hpp"
 #include "mnist_ddp/base/environment.hpp"
-#include "mnist_ddp/base/placement.hpp"
-#include "mnist_ddp/worker.hpp"
+#include "app/base/placement.hpp"
+#include "app/worker.hpp"
 
 namespace mnist_ddp {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Runs fn(job) in `world` forked processes (forked before LibTorch starts
+// Runs fn(group) in `world` forked processes (forked before LibTorch starts
 // any thread), set up as training workers on one host are (by default, sums
 // through shared memory), over a FileStore. Returns false if any process
 // failed.
-bool run_processes(int world, const std::function<void(Job&)>& fn, bool shared_memory = true) {
+bool run_processes(int world, const std::function<void(ProcessGroup&)>& fn, bool shared_memory = true) {
   char templ[] = "/tmp/mnist_ddp_bench_XXXXXX";
   const std::string dir = mkdtemp(templ);
   std::vector<pid_t> pids;
@@ -65,9 +65,9 @@ bool run_processes(int world, const std::function<void(Job&)>& fn, bool shared_m
       try {
         configure_worker_process(threads_per_worker(world, read_environment().omp_num_threads));
         auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
-        Job job = make_job(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(120), shared_memory);
-        fn(job);
-        job.stream->barrier();
+        ProcessGroup group = make_process_group(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(120), shared_memory);
+        fn(group);
+        group.stream()->barrier();
       } catch (const std::exception& e) {
         std::cerr << "rank " << rank << ": " << e.what() << std::endl;
         code = 1;
@@ -88,32 +88,31 @@ bool run_processes(int world, const std::function<void(Job&)>& fn, bool shared_m
 }
 
 // Keeps each rank's own gradients: DDP's machinery without communication.
-class LocalHook : public CommHook {
+class LocalHook : public hooks::CommHook {
  public:
   std::string name() const override { return "local"; }
-  FuturePtr run(GradBucket& bucket, Wire&) override { return completed_future(bucket.buffer); }
+  FuturePtr run(hooks::GradBucket& bucket, hooks::Wire&) override { return completed_future(bucket.buffer); }
 };
 
 // Milliseconds per training step of Net under DDP, batch 32. With `trace`,
 // the timed steps run under LibTorch's profiler, which writes a Chrome trace
 // there (LibTorch 1.x).
-double ms_per_step(Job& job, bool sync_bn, int steps, bool communicate = true, const std::string& trace = "") {
+double ms_per_step(ProcessGroup& group, bool sync_bn, int steps, bool communicate = true, const std::string& trace = "") {
   torch::manual_seed(0);
   Net net;
-  if (sync_bn) convert_sync_batchnorm(*net, job.stream);
-  std::unique_ptr<CommHook> hook;
-  if (communicate) hook = std::make_unique<AllreduceHook>(); else hook = std::make_unique<LocalHook>();
-  DistributedDataParallel ddp(torch::nn::AnyModule(net), job, std::move(hook), 25);
+  if (sync_bn) convert_sync_batchnorm(net, group);
+  DistributedDataParallel ddp(net, group, DdpOptions().broadcast_buffers(false));
+  if (!communicate) ddp.register_comm_hook(std::make_shared<LocalHook>());
   torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   const auto x = torch::randn({32, 1, 28, 28});
   const auto y = torch::randint(0, 10, {32}, torch::kInt64);
   auto step = [&] {
     opt.zero_grad();
-    torch::nll_loss(ddp->forward(x), y).backward();
+    torch::nll_loss(ddp.forward(x), y).backward();
     opt.step();
   };
   for (int i = 0; i < 5; ++i) step();
-  job.stream->barrier();
+  group.stream()->barrier();
   const auto start = Clock::now();
   {
     std::optional<port::RecordProfile> profiled;
@@ -126,24 +125,24 @@ double ms_per_step(Job& job, bool sync_bn, int steps, bool communicate = true, c
 // Rank 0's steps of a 2-process run (Net with SyncBatchNorm, DDP averaging)
 // under the profiler, its trace written to `trace`.
 int profile(int steps, const std::string& trace) {
-  const bool ok = run_processes(2, [&](Job& job) {
-    const double ms = ms_per_step(job, true, steps, true, job.rank == 0 ? trace : "");
-    if (job.rank == 0) std::printf("%.2f\n", ms);
+  const bool ok = run_processes(2, [&](ProcessGroup& group) {
+    const double ms = ms_per_step(group, true, steps, true, group.rank() == 0 ? trace : "");
+    if (group.rank() == 0) std::printf("%.2f\n", ms);
   });
   return ok ? 0 : 1;
 }
 
 int sync_bn(int steps) {
-  const bool ok = run_processes(2, [&](Job& job) {
+  const bool ok = run_processes(2, [&](ProcessGroup& group) {
     // Alternate the two variants so that machine noise hits both alike.
     double plain = 0, sync = 0;
     for (int round = 0; round < 3; ++round) {
-      plain += ms_per_step(job, false, steps);
-      sync += ms_per_step(job, true, steps);
+      plain += ms_per_step(group, false, steps);
+      sync += ms_per_step(group, true, steps);
     }
     plain /= 3;
     sync /= 3;
-    if (job.rank == 0) {
+    if (group.rank() == 0) {
       std::printf("| Net training step, 2 CPU processes, batch 32 | ms/step |\n|---|---|\n");
       std::printf("| BatchNorm2d (per-rank statistics) | %.2f |\n", plain);
       std::printf("| SyncBatchNorm | %.2f |\n", sync);
@@ -155,11 +154,11 @@ int sync_bn(int steps) {
 }
 
 int breakdown(int steps) {
-  const bool ok = run_processes(2, [&](Job& job) {
+  const bool ok = run_processes(2, [&](ProcessGroup& group) {
     double t[4] = {0, 0, 0, 0};
     for (int round = 0; round < 3; ++round)
-      for (int v = 0; v < 4; ++v) t[v] += ms_per_step(job, v / 2 == 1, steps, v % 2 == 1) / 3;
-    if (job.rank == 0)
+      for (int v = 0; v < 4; ++v) t[v] += ms_per_step(group, v / 2 == 1, steps, v % 2 == 1) / 3;
+    if (group.rank() == 0)
       std::printf("BN local %.2f | BN none %.2f | SyncBN local %.2f | SyncBN none %.2f ms/step\n", t[0], t[1], t[2], t[3]);
   });
   return ok ? 0 : 1;
@@ -172,13 +171,13 @@ int allreduce(int64_t numel, int rounds) {
   for (bool shared : {false, true}) {
     ok = ok && run_processes(
                    2,
-                   [&](Job& job) {
+                   [&](ProcessGroup& group) {
                      auto t = torch::ones({numel});
-                     for (int i = 0; i < 10; ++i) job.stream->allreduce_sum(t);
+                     for (int i = 0; i < 10; ++i) group.stream()->allreduce_sum(t);
                      const auto start = Clock::now();
-                     for (int i = 0; i < rounds; ++i) job.stream->allreduce_sum(t);
+                     for (int i = 0; i < rounds; ++i) group.stream()->allreduce_sum(t);
                      const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count() / rounds;
-                     if (job.rank == 0)
+                     if (group.rank() == 0)
                        std::printf("%s: %lld floats, %.1f us per allreduce\n", shared ? "shared memory" : "gloo",
                                    static_cast<long long>(numel), us);
                    },

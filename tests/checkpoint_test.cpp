@@ -2,9 +2,9 @@
 
 #include <fstream>
 
-#include "mnist_ddp/train/checkpoint.hpp"
-#include "mnist_ddp/base/files.hpp"
-#include "mnist_ddp/train/model.hpp"
+#include "app/train/checkpoint.hpp"
+#include "app/base/files.hpp"
+#include "app/train/model.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {

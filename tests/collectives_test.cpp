@@ -7,10 +7,11 @@
 #include <random>
 
 #include "mnist_ddp/comm/collectives.hpp"
-#include "mnist_ddp/train/comm_hooks.hpp"
-#include "mnist_ddp/train/ddp.hpp"
-#include "mnist_ddp/train/model.hpp"
-#include "mnist_ddp/train/sync_batch_norm.hpp"
+#include "mnist_ddp/parallel/comm_hooks.hpp"
+#include "mnist_ddp/parallel/distributed.hpp"
+#include "app/train/model.hpp"
+#include "mnist_ddp/parallel/sync_batch_norm.hpp"
+#include "parallel/exact_math.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -42,26 +43,26 @@ class ShakingRecorder : public StreamProbe {
   const std::chrono::microseconds max_;
 };
 
-PowerSgdOptions start_at(int64_t step) {
-  PowerSgdOptions o;
-  o.start_iter = step;
+hooks::PowerSgdOptions start_at(int64_t step) {
+  auto o = hooks::PowerSgdOptions().matrix_approximation_rank(2);
+  o.start_powersgd_iter(step);
   return o;
 }
 
 TEST(CollectiveStream, TasksRunOneAtATimeInTheOrderPosted) {
-  run_ranks(1, [](Job& job) {
+  run_ranks(1, [](ProcessGroup& group) {
     std::vector<int> order;
     std::atomic<int> inside{0};
     bool overlapped = false;
     std::vector<CollectiveStream::Ticket> tickets;
-    job.stream->watch(std::make_shared<ShakingRecorder>(1, std::chrono::microseconds(300)));
+    group.stream()->watch(std::make_shared<ShakingRecorder>(1, std::chrono::microseconds(300)));
     for (int i = 0; i < 50; ++i)
-      tickets.push_back(job.stream->post([&, i](Channel&) {
+      tickets.push_back(group.stream()->post([&, i](Channel&) {
         overlapped |= inside.fetch_add(1) != 0;
         order.push_back(i);
         inside.fetch_sub(1);
       }));
-    job.stream->wait(tickets.back());
+    group.stream()->wait(tickets.back());
     std::vector<int> expected(50);
     for (int i = 0; i < 50; ++i) expected[i] = i;
     EXPECT_EQ(order, expected);
@@ -70,15 +71,15 @@ TEST(CollectiveStream, TasksRunOneAtATimeInTheOrderPosted) {
 }
 
 TEST(CollectiveStream, AfterAFailedTaskNoLaterTaskRunsAndEachWaitSaysWhy) {
-  run_ranks(1, [](Job& job) {
+  run_ranks(1, [](ProcessGroup& group) {
     bool ran = false;
-    const auto good = job.stream->post([](Channel&) {});
-    const auto bad = job.stream->post([](Channel&) { throw std::runtime_error("the peer is gone"); });
-    const auto later = job.stream->post([&](Channel&) { ran = true; });
-    EXPECT_NO_THROW(job.stream->wait(good));
-    EXPECT_THROW(job.stream->wait(bad), std::runtime_error);
+    const auto good = group.stream()->post([](Channel&) {});
+    const auto bad = group.stream()->post([](Channel&) { throw std::runtime_error("the peer is gone"); });
+    const auto later = group.stream()->post([&](Channel&) { ran = true; });
+    EXPECT_NO_THROW(group.stream()->wait(good));
+    EXPECT_THROW(group.stream()->wait(bad), std::runtime_error);
     try {
-      job.stream->wait(later);
+      group.stream()->wait(later);
       ADD_FAILURE() << "a task after a failure passed";
     } catch (const std::runtime_error& e) {
       EXPECT_STREQ(e.what(), "the peer is gone");
@@ -100,29 +101,30 @@ TEST(CollectiveOrder, EveryRankIssuesTheSameCollectivesInTheSameOrderForEveryHoo
     const auto y = torch::randint(0, 10, {4 * world}, torch::kInt64);
     // Each rank's record of each lane: the bulk stream and the quick one.
     std::vector<std::vector<std::string>> bulk(world), quick(world);
-    run_ranks(world, [&](Job& job) {
-      convert_sync_batchnorm(*nets[job.rank], job.quick);  // as the trainer does
-      DistributedDataParallel ddp(torch::nn::AnyModule(nets[job.rank]), job, make_comm_hook(name, start_at(2)), 25);
+    run_ranks(world, [&](ProcessGroup& group) {
+      convert_sync_batchnorm(nets[group.rank()], group);  // as the trainer does
+      DistributedDataParallel ddp(nets[group.rank()], group, DdpOptions().broadcast_buffers(false));
+      ddp.register_comm_hook(make_comm_hook(name, start_at(2)));
       torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-      const auto mine = x.slice(0, 4 * job.rank, 4 * job.rank + 4);
-      const auto labels = y.slice(0, 4 * job.rank, 4 * job.rank + 4);
-      const auto on_bulk = std::make_shared<ShakingRecorder>(1000 + job.rank, std::chrono::microseconds(1500));
-      const auto on_quick = std::make_shared<ShakingRecorder>(2000 + job.rank, std::chrono::microseconds(1500));
-      ASSERT_NE(job.stream, job.quick) << "a Gloo job of several ranks has two lanes";
-      job.stream->watch(on_bulk);
-      job.quick->watch(on_quick);
+      const auto mine = x.slice(0, 4 * group.rank(), 4 * group.rank() + 4);
+      const auto labels = y.slice(0, 4 * group.rank(), 4 * group.rank() + 4);
+      const auto on_bulk = std::make_shared<ShakingRecorder>(1000 + group.rank(), std::chrono::microseconds(1500));
+      const auto on_quick = std::make_shared<ShakingRecorder>(2000 + group.rank(), std::chrono::microseconds(1500));
+      ASSERT_NE(group.stream(), group.quick()) << "a Gloo job of several ranks has two lanes";
+      group.stream()->watch(on_bulk);
+      group.quick()->watch(on_quick);
       for (int step = 0; step < steps; ++step) {
         opt.zero_grad();
-        const auto loss = torch::nll_loss(ddp->forward(mine), labels);
+        const auto loss = torch::nll_loss(ddp.forward(mine), labels);
         loss.backward();
         opt.step();
         auto metric = loss.detach().to(torch::kFloat64).reshape({1});
-        job.quick->allreduce_sum(metric);  // as the trainer's log line does
+        group.quick()->allreduce_sum(metric);  // as the trainer's log line does
       }
-      job.stream->watch(nullptr);
-      job.quick->watch(nullptr);
-      bulk[job.rank] = on_bulk->log;
-      quick[job.rank] = on_quick->log;
+      group.stream()->watch(nullptr);
+      group.quick()->watch(nullptr);
+      bulk[group.rank()] = on_bulk->log;
+      quick[group.rank()] = on_quick->log;
     });
     for (int r = 1; r < world; ++r) {
       EXPECT_EQ(bulk[r], bulk[0]) << name << ": rank " << r << " issued another sequence on the bulk lane";

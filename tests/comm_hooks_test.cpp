@@ -1,8 +1,8 @@
 #include <gtest/gtest.h>
 
-#include "mnist_ddp/train/comm_hooks.hpp"
-#include "mnist_ddp/train/ddp.hpp"
-#include "mnist_ddp/train/model.hpp"
+#include "mnist_ddp/parallel/comm_hooks.hpp"
+#include "mnist_ddp/parallel/distributed.hpp"
+#include "app/train/model.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -11,6 +11,7 @@ namespace {
 using test::max_abs_diff;
 
 using test::run_ranks;
+using namespace hooks;
 
 // A bucket over fresh storage whose gradients have the given shapes.
 GradBucket make_bucket(const std::vector<std::vector<int64_t>>& shapes, size_t index = 0, bool is_last = true) {
@@ -33,11 +34,11 @@ GradBucket make_bucket(const std::vector<std::vector<int64_t>>& shapes, size_t i
 // task on the rank's stream, through the production GroupWire.
 class StreamWire : public Wire {
  public:
-  explicit StreamWire(Job& job) : job_(job) {}
-  int world_size() const override { return job_.world_size; }
+  explicit StreamWire(ProcessGroup& group) : group_(group) {}
+  int world_size() const override { return group_.world_size(); }
   FuturePtr allreduce_sum(torch::Tensor tensor) override {
     FuturePtr done;
-    job_.stream->run([&](Channel& channel) {
+    group_.stream()->run([&](Channel& channel) {
       GroupWire wire(channel, stats_);
       done = wire.allreduce_sum(tensor);
       done->waitAndThrow();
@@ -48,7 +49,7 @@ class StreamWire : public Wire {
   int64_t bytes_sent() const { return stats_.bytes; }
 
  private:
-  Job& job_;
+  ProcessGroup& group_;
   WireStats stats_;
 };
 
@@ -59,12 +60,11 @@ torch::Tensor run_hook(CommHook& hook, GradBucket& bucket, Wire& wire) {
 }
 
 PowerSgdOptions powersgd(int rank, int64_t start, bool error_feedback = true, bool warm_start = true) {
-  PowerSgdOptions o;
-  o.rank = rank;
-  o.start_iter = start;
-  o.error_feedback = error_feedback;
-  o.warm_start = warm_start;
-  return o;
+  return PowerSgdOptions()
+      .matrix_approximation_rank(rank)
+      .start_powersgd_iter(start)
+      .use_error_feedback(error_feedback)
+      .warm_start(warm_start);
 }
 
 // Per-rank inputs drawn serially: ranks are threads sharing one generator.
@@ -78,11 +78,11 @@ TEST(Fp16, EqualsAllreduceWithinFloat16Tolerance) {
   torch::manual_seed(1);
   const auto inputs = per_rank(3, [](int) { return torch::randn({1000}); });
   const auto mean = (inputs[0] + inputs[1] + inputs[2]) / 3;
-  run_ranks(3, [&](Job& job) {
-    StreamWire wire(job);
+  run_ranks(3, [&](ProcessGroup& group) {
+    StreamWire wire(group);
     auto fp16 = make_comm_hook("fp16", {});
     auto bucket = make_bucket({{1000}});
-    bucket.buffer.copy_(inputs[job.rank]);
+    bucket.buffer.copy_(inputs[group.rank()]);
     const auto out = run_hook(*fp16, bucket, wire);
     EXPECT_LE(max_abs_diff(out, mean), 4e-3);  // float16 keeps ~3 decimal digits
     EXPECT_EQ(wire.bytes_sent(), 2000);
@@ -101,11 +101,11 @@ TEST(GroupWire, EveryRankGetsTheSumOfALargeTensor) {
   const auto inputs = per_rank(world, [&](int) { return torch::randn({n}); });
   for (const auto type : {torch::kFloat32, torch::kHalf}) {
     std::vector<torch::Tensor> got(world);
-    run_ranks(world, [&](Job& job) {
-      StreamWire wire(job);
-      auto t = inputs[job.rank].to(type, /*non_blocking=*/false, /*copy=*/true);
+    run_ranks(world, [&](ProcessGroup& group) {
+      StreamWire wire(group);
+      auto t = inputs[group.rank()].to(type, /*non_blocking=*/false, /*copy=*/true);
       wire.allreduce_sum(t)->waitAndThrow();
-      got[job.rank] = t.clone();
+      got[group.rank()] = t.clone();
       EXPECT_EQ(wire.bytes_sent(), n * t.element_size());
     });
     for (int r = 1; r < world; ++r) EXPECT_TRUE(torch::equal(got[r], got[0])) << "rank " << r << ", " << type;
@@ -118,8 +118,8 @@ TEST(GroupWire, EveryRankGetsTheSumOfALargeTensor) {
 
 TEST(Fp16, GradientsNearFloat16MaxDoNotOverflow) {
   // 3 x 60000 would overflow float16 (max 65504) if summed before dividing.
-  run_ranks(3, [&](Job& job) {
-    StreamWire wire(job);
+  run_ranks(3, [&](ProcessGroup& group) {
+    StreamWire wire(group);
     auto fp16 = make_comm_hook("fp16", {});
     auto bucket = make_bucket({{4}});
     bucket.buffer.fill_(60000.0f);
@@ -132,16 +132,16 @@ TEST(Fp16, GradientsNearFloat16MaxDoNotOverflow) {
 TEST(PowerSgd, BeforeTheStartIterationIsBitIdenticalToNone) {
   torch::manual_seed(2);
   const auto inputs = per_rank(2, [](int) { return torch::randn({64 * 30 + 64}); });
-  run_ranks(2, [&](Job& job) {
-    StreamWire wire(job);
+  run_ranks(2, [&](ProcessGroup& group) {
+    StreamWire wire(group);
     AllreduceHook none;
     for (const std::string name : {"powersgd", "powersgd_fp16", "batched_powersgd_fp16"}) {
       auto hook = make_comm_hook(name, powersgd(2, 5));
       for (int step = 0; step < 5; ++step) {
         EXPECT_FALSE(name == "powersgd" && hook->compression_started());
         auto a = make_bucket({{64, 30}, {64}}), b = make_bucket({{64, 30}, {64}});
-        a.buffer.copy_(inputs[job.rank] * (step + 1));
-        b.buffer.copy_(inputs[job.rank] * (step + 1));
+        a.buffer.copy_(inputs[group.rank()] * (step + 1));
+        b.buffer.copy_(inputs[group.rank()] * (step + 1));
         const auto expected = run_hook(none, a, wire);
         const auto got = run_hook(*hook, b, wire);
         if (name == "powersgd") {
@@ -163,12 +163,12 @@ TEST(PowerSgd, ReconstructsTheAveragedMatrixExactlyWhenItsRankIsAtMostR) {
   const auto bias = per_rank(3, [](int) { return torch::randn({40}); });
   const auto mean = (inputs[0] + inputs[1] + inputs[2]) / 3;
   const auto mean_bias = (bias[0] + bias[1] + bias[2]) / 3;
-  run_ranks(3, [&](Job& job) {
-    StreamWire wire(job);
+  run_ranks(3, [&](ProcessGroup& group) {
+    StreamWire wire(group);
     PowerSgdHook hook(powersgd(2, 0, /*error_feedback=*/false, /*warm_start=*/false));
     auto bucket = make_bucket({{40, 25}, {40}});
-    bucket.gradients[0].copy_(inputs[job.rank]);
-    bucket.gradients[1].copy_(bias[job.rank]);
+    bucket.gradients[0].copy_(inputs[group.rank()]);
+    bucket.gradients[1].copy_(bias[group.rank()]);
     run_hook(hook, bucket, wire);
     EXPECT_LE(max_abs_diff(bucket.gradients[0], mean), 1e-4);
     EXPECT_LE(max_abs_diff(bucket.gradients[1], mean_bias), 1e-6);  // uncompressed: exact mean
@@ -188,8 +188,8 @@ TEST(PowerSgd, WarmStartApproachesTheBestRankRApproximation) {
   for (size_t i = 0; i < values.size(); ++i) sigma[i][i] = values[i];
   const auto m = torch::mm(torch::mm(u, sigma), v.t());
   const double best = std::sqrt(4 * 4 + 3 * 3 + 2 * 2 + 1.5 * 1.5 + 1 + 0.25);  // sigma_3.. of the SVD
-  run_ranks(2, [&](Job& job) {
-    StreamWire wire(job);
+  run_ranks(2, [&](ProcessGroup& group) {
+    StreamWire wire(group);
     PowerSgdHook hook(powersgd(2, 2, /*error_feedback=*/false, /*warm_start=*/true));
     double error = 0;
     for (int step = 0; step < 22; ++step) {  // 2 plain steps, then 20 compressed
@@ -212,17 +212,17 @@ TEST(PowerSgd, ErrorFeedbackLosesNothingOverSteps) {
   for (const auto& g : grads)
     for (const auto& r : g) truth += r.to(torch::kFloat64) / world;
   std::vector<torch::Tensor> applied(world), errors(world);
-  run_ranks(world, [&](Job& job) {
-    StreamWire wire(job);
+  run_ranks(world, [&](ProcessGroup& group) {
+    StreamWire wire(group);
     PowerSgdHook hook(powersgd(1, 2));
     torch::Tensor sum = torch::zeros({30 * 20 + 30}, torch::kFloat64);
     for (int s = 0; s < steps; ++s) {
       auto bucket = make_bucket({{30, 20}, {30}});
-      bucket.buffer.copy_(grads[s][job.rank]);
+      bucket.buffer.copy_(grads[s][group.rank()]);
       sum += run_hook(hook, bucket, wire).to(torch::kFloat64);
     }
-    applied[job.rank] = sum;
-    errors[job.rank] = hook.state().own.at("error/0").to(torch::kFloat64);
+    applied[group.rank()] = sum;
+    errors[group.rank()] = hook.state().own.at("error/0").to(torch::kFloat64);
   });
   for (int r = 1; r < world; ++r) EXPECT_TRUE(torch::equal(applied[r], applied[0]));
   const auto mean_error = (errors[0] + errors[1] + errors[2]) / world;
@@ -243,11 +243,11 @@ TEST(BatchedPowerSgd, EqualsTheRankRApproximationOfThePaddedMeanMatrix) {
       return full;
     });
     auto padded_mean = ((inputs[0] + inputs[1]) / 2).reshape(-1);
-    run_ranks(2, [&](Job& job) {
-      StreamWire wire(job);
+    run_ranks(2, [&](ProcessGroup& group) {
+      StreamWire wire(group);
       BatchedPowerSgdHook hook(powersgd(rank, 0, false, false));
       auto bucket = make_bucket({{70}});
-      bucket.buffer.copy_(inputs[job.rank].reshape(-1).slice(0, 0, 70));
+      bucket.buffer.copy_(inputs[group.rank()].reshape(-1).slice(0, 0, 70));
       const auto out = run_hook(hook, bucket, wire);
       EXPECT_LE(max_abs_diff(out, padded_mean.slice(0, 0, 70)), 1e-5) << "rank " << rank;
       EXPECT_EQ(wire.elements_sent(), 2 * 9 * rank);  // P and Q, 9 x r each
@@ -260,11 +260,11 @@ TEST(PowerSgd, SaveAndRestoreResumeBitIdentically) {
   std::vector<std::vector<torch::Tensor>> grads(8);
   for (auto& g : grads) g = per_rank(2, [](int) { return torch::randn({20 * 16 + 20}); });
   for (const std::string name : {"powersgd", "powersgd_fp16", "batched_powersgd_fp16"}) {
-    run_ranks(2, [&](Job& job) {
-      StreamWire wire(job);
+    run_ranks(2, [&](ProcessGroup& group) {
+      StreamWire wire(group);
       auto step = [&](CommHook& hook, int s) {
         auto bucket = make_bucket({{20, 16}, {20}});
-        bucket.buffer.copy_(grads[s][job.rank]);
+        bucket.buffer.copy_(grads[s][group.rank()]);
         return run_hook(hook, bucket, wire).clone();
       };
       auto straight = make_comm_hook(name, powersgd(2, 2));
@@ -286,14 +286,15 @@ TEST(Hooks, EveryRankEndsEveryStepWithBitIdenticalGradients) {
       torch::manual_seed(9);
       const auto x = torch::randn({8, 1, 28, 28});
       const auto y = torch::randint(0, 10, {8}, torch::kInt64);
-      run_ranks(2, [&](Job& job) {
-        DistributedDataParallel ddp(torch::nn::AnyModule(nets[job.rank]), job, make_comm_hook(name, powersgd(2, 2)), 25);
+      run_ranks(2, [&](ProcessGroup& group) {
+        DistributedDataParallel ddp(nets[group.rank()], group);
+        ddp.register_comm_hook(make_comm_hook(name, powersgd(2, 2)));
         torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.01));
-        const auto mine = x.slice(0, job.rank * 4, job.rank * 4 + 4), labels = y.slice(0, job.rank * 4, job.rank * 4 + 4);
+        const auto mine = x.slice(0, group.rank() * 4, group.rank() * 4 + 4), labels = y.slice(0, group.rank() * 4, group.rank() * 4 + 4);
         for (int step = 0; step < 5; ++step) {
           opt.zero_grad();
-          torch::nll_loss(ddp->forward(mine), labels).backward();
-          for (const auto& p : ddp->parameters()) grads[job.rank].push_back(p.grad().clone());
+          torch::nll_loss(ddp.forward(mine), labels).backward();
+          for (const auto& p : ddp->parameters()) grads[group.rank()].push_back(p.grad().clone());
           opt.step();
         }
       }, torch::kCPU, sums);

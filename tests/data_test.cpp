@@ -3,7 +3,7 @@
 #include <random>
 #include <set>
 
-#include "mnist_ddp/train/data.hpp"
+#include "app/train/data.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {

@@ -1,9 +1,9 @@
 #include <gtest/gtest.h>
 
-#include "mnist_ddp/train/comm_hooks.hpp"
-#include "mnist_ddp/train/ddp.hpp"
-#include "mnist_ddp/train/model.hpp"
-#include "mnist_ddp/train/sync_batch_norm.hpp"
+#include "mnist_ddp/parallel/comm_hooks.hpp"
+#include "mnist_ddp/parallel/distributed.hpp"
+#include "app/train/model.hpp"
+#include "mnist_ddp/parallel/sync_batch_norm.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -39,7 +39,7 @@ TEST(BucketAssignment, NetLaysOutAsPyTorchDoes) {
   std::vector<int64_t> sizes;
   const auto params = net->parameters();
   for (auto it = params.rbegin(); it != params.rend(); ++it) sizes.push_back(it->numel() * 4);
-  const auto buckets = compute_bucket_assignment(sizes, kFirstBucketCapBytes, 25 * 1024 * 1024);
+  const auto buckets = compute_bucket_assignment(sizes, 1024 * 1024, 25 * 1024 * 1024);
   // fc2.bias, fc2.weight, fc1.bias, fc1.weight fill the 1 MB first bucket; the rest share the second.
   ASSERT_EQ(buckets.size(), 2u);
   EXPECT_EQ(buckets[0], (std::vector<size_t>{0, 1, 2, 3}));
@@ -76,15 +76,14 @@ TEST(Ddp, AveragedGradientsEqualOneProcessOnTheConcatenatedBatch) {
 
         auto models = models_with_seeds(world, 100);  // every rank starts elsewhere
         std::vector<std::vector<torch::Tensor>> grads(world), params(world);
-        run_ranks(world, [&](Job& job) {
-          DistributedDataParallel ddp(torch::nn::AnyModule(models[job.rank]), job, std::make_unique<AllreduceHook>(),
-                                      cap_mb);
-          const int64_t begin = job.rank * per_rank;
-          auto out = ddp->forward(data.x.slice(0, begin, begin + per_rank));
+        run_ranks(world, [&](ProcessGroup& group) {
+          DistributedDataParallel ddp(models[group.rank()], group, DdpOptions().bucket_cap_mb(cap_mb));
+          const int64_t begin = group.rank() * per_rank;
+          auto out = ddp.forward(data.x.slice(0, begin, begin + per_rank));
           torch::nll_loss(out, data.y.slice(0, begin, begin + per_rank)).backward();
           for (const auto& p : ddp->parameters()) {
-            grads[job.rank].push_back(p.grad().clone());
-            params[job.rank].push_back(p.detach().clone());
+            grads[group.rank()].push_back(p.grad().clone());
+            params[group.rank()].push_back(p.detach().clone());
           }
         }, torch::kCPU, sums);
         const auto expected = oracle->parameters();
@@ -116,17 +115,17 @@ TEST(Ddp, ReplicasStayIdenticalAndTrackTheOracleOverSteps) {
 
   auto models = models_with_seeds(world, 7);
   std::vector<std::vector<torch::Tensor>> final_params(world);
-  run_ranks(world, [&](Job& job) {
-    DistributedDataParallel ddp(torch::nn::AnyModule(models[job.rank]), job, std::make_unique<AllreduceHook>(), 0.001);
+  run_ranks(world, [&](ProcessGroup& group) {
+    DistributedDataParallel ddp(models[group.rank()], group, DdpOptions().bucket_cap_mb(0.001));
     torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(5e-4));
     for (const auto& d : data) {
       opt.zero_grad();
-      const int64_t begin = job.rank * per_rank;
-      torch::nll_loss(ddp->forward(d.x.slice(0, begin, begin + per_rank)), d.y.slice(0, begin, begin + per_rank))
+      const int64_t begin = group.rank() * per_rank;
+      torch::nll_loss(ddp.forward(d.x.slice(0, begin, begin + per_rank)), d.y.slice(0, begin, begin + per_rank))
           .backward();
       opt.step();
     }
-    for (const auto& p : ddp->parameters()) final_params[job.rank].push_back(p.detach().clone());
+    for (const auto& p : ddp->parameters()) final_params[group.rank()].push_back(p.detach().clone());
   });
   const auto expected = oracle->parameters();
   for (size_t i = 0; i < expected.size(); ++i) {
@@ -138,8 +137,8 @@ TEST(Ddp, ReplicasStayIdenticalAndTrackTheOracleOverSteps) {
 TEST(Ddp, GradientsStayBucketViewsWhenTheOptimiserResetsThem) {
   // PyTorch 2's zero_grad sets .grad to undefined; DDP must relink it.
   auto models = models_with_seeds(2, 3);
-  run_ranks(2, [&](Job& job) {
-    DistributedDataParallel ddp(torch::nn::AnyModule(models[job.rank]), job, std::make_unique<AllreduceHook>(), 25);
+  run_ranks(2, [&](ProcessGroup& group) {
+    DistributedDataParallel ddp(models[group.rank()], group);
     const Batches d = [&] {
       static std::mutex m;
       std::lock_guard<std::mutex> lock(m);
@@ -147,11 +146,11 @@ TEST(Ddp, GradientsStayBucketViewsWhenTheOptimiserResetsThem) {
     }();
     for (int step = 0; step < 2; ++step) {
       for (auto& p : ddp->parameters()) p.mutable_grad() = torch::Tensor();
-      torch::nll_loss(ddp->forward(d.x), d.y).backward();
+      torch::nll_loss(ddp.forward(d.x), d.y).backward();
       for (const auto& p : ddp->parameters()) {
         ASSERT_TRUE(p.grad().defined());
-        const auto* begin = static_cast<const char*>(ddp->buckets()[0].buffer.data_ptr());
-        const auto* end = begin + 4 * ddp->buckets()[0].buffer.numel();
+        const auto* begin = static_cast<const char*>(ddp.reducer().buckets()[0].buffer.data_ptr());
+        const auto* end = begin + 4 * ddp.reducer().buckets()[0].buffer.numel();
         const auto* g = static_cast<const char*>(p.grad().data_ptr());
         EXPECT_TRUE(g >= begin && g < end) << "a gradient is no longer a view into its bucket";
       }
@@ -162,21 +161,21 @@ TEST(Ddp, GradientsStayBucketViewsWhenTheOptimiserResetsThem) {
 TEST(Ddp, TheReplicaCheckNamesEachDifferingRankAndItsLargestDifference) {
   auto models = models_with_seeds(3, 5);
   std::vector<std::string> outcome(3);
-  run_ranks(3, [&](Job& job) {
-    DistributedDataParallel ddp(torch::nn::AnyModule(models[job.rank]), job, std::make_unique<AllreduceHook>(), 25);
-    ddp->check_replicas("at the start");  // rank 0's state was broadcast: nothing to say
-    if (job.rank == 2) {
+  run_ranks(3, [&](ProcessGroup& group) {
+    DistributedDataParallel ddp(models[group.rank()], group);
+    ddp.reducer().check_replicas("at the start");  // rank 0's state was broadcast: nothing to say
+    if (group.rank() == 2) {
       torch::NoGradGuard no_grad;
-      ddp->named_parameters()["module.conv.bias"][1].add_(0.25);
-      ddp->named_parameters()["module.fc.weight"][3][7].add_(0.5);
+      ddp->named_parameters()["conv.bias"][1].add_(0.25);
+      ddp->named_parameters()["fc.weight"][3][7].add_(0.5);
     }
     try {
-      ddp->check_replicas("after epoch 3");
-      outcome[job.rank] = "(passed)";
+      ddp.reducer().check_replicas("after epoch 3");
+      outcome[group.rank()] = "(passed)";
     } catch (const PeerLost& e) {
-      outcome[job.rank] = std::string("echo: ") + e.what();
+      outcome[group.rank()] = std::string("echo: ") + e.what();
     } catch (const std::exception& e) {
-      outcome[job.rank] = e.what();
+      outcome[group.rank()] = e.what();
     }
   });
   EXPECT_EQ(outcome[0],
@@ -198,12 +197,12 @@ TORCH_MODULE(TwoHeads);
 TEST(Ddp, AParameterWithoutGradientIsNamed) {
   std::vector<TwoHeads> models{TwoHeads(), TwoHeads()};
   std::vector<std::string> errors(2);
-  run_ranks(2, [&](Job& job) {
-    DistributedDataParallel ddp(torch::nn::AnyModule(models[job.rank]), job, std::make_unique<AllreduceHook>(), 25);
+  run_ranks(2, [&](ProcessGroup& group) {
+    DistributedDataParallel ddp(models[group.rank()], group);
     try {
-      ddp->forward(torch::ones({3, 4})).sum().backward();
-    } catch (const c10::Error& e) {
-      errors[job.rank] = e.what_without_backtrace();
+      ddp.forward(torch::ones({3, 4})).sum().backward();
+    } catch (const std::exception& e) {
+      errors[group.rank()] = e.what();
     }
   });
   for (const auto& e : errors) {
@@ -258,20 +257,19 @@ std::vector<ConvBnNet> conv_bn_nets(int count) {
 
 // This rank trains `model`, its BatchNorm made synchronous, under `hook`
 // (PowerSGD from step 2); returns its parameters and buffers, on the CPU.
-std::vector<torch::Tensor> train_conv_bn_net(Job& job, ConvBnNet model, const std::string& hook,
+std::vector<torch::Tensor> train_conv_bn_net(ProcessGroup& group, ConvBnNet model, const std::string& hook,
                                              const std::vector<Batches>& data,
                                              std::vector<torch::Tensor>* first_grads = nullptr) {
-  convert_sync_batchnorm(*model, job.stream);
-  model->to(job.device);
-  PowerSgdOptions powersgd;
-  powersgd.start_iter = 2;
-  DistributedDataParallel ddp(torch::nn::AnyModule(model), job, make_comm_hook(hook, powersgd), 25);
+  convert_sync_batchnorm(model, group);
+  model->to(group.device());
+  DistributedDataParallel ddp(model, group);
+  ddp.register_comm_hook(make_comm_hook(hook, hooks::PowerSgdOptions().matrix_approximation_rank(2).start_powersgd_iter(2)));
   torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(5e-4));
-  const int64_t begin = job.rank * kPerRank;
+  const int64_t begin = group.rank() * kPerRank;
   for (const auto& d : data) {
     opt.zero_grad();
-    torch::nll_loss(ddp->forward(d.x.slice(0, begin, begin + kPerRank).to(job.device)),
-                    d.y.slice(0, begin, begin + kPerRank).to(job.device))
+    torch::nll_loss(ddp.forward(d.x.slice(0, begin, begin + kPerRank).to(group.device())),
+                    d.y.slice(0, begin, begin + kPerRank).to(group.device()))
         .backward();
     if (first_grads && first_grads->empty())
       for (const auto& p : ddp->parameters()) first_grads->push_back(p.grad().cpu().clone());
@@ -307,9 +305,9 @@ TEST(Ddp, SyncBatchNormRanksTrackOneProcessOnTheConcatenatedBatch) {
   std::vector<torch::Tensor> oracle_grads;
   const auto oracle = train_oracle(data, &oracle_grads);
   const auto models = conv_bn_nets(2);
-  run_ranks(2, [&](Job& job) {
+  run_ranks(2, [&](ProcessGroup& group) {
     std::vector<torch::Tensor> grads;
-    const auto state = train_conv_bn_net(job, models[job.rank], "none", data, &grads);
+    const auto state = train_conv_bn_net(group, models[group.rank()], "none", data, &grads);
     for (size_t i = 0; i < oracle_grads.size(); ++i) EXPECT_LE(max_abs_diff(grads[i], oracle_grads[i]), 1e-5) << i;
     for (size_t i = 0; i < oracle.size(); ++i) EXPECT_LE(max_abs_diff(state[i], oracle[i]), 1e-4) << i;
   });
@@ -325,12 +323,12 @@ TEST(CudaDdp, OneStepOnTheGpuGivesTheCpusGradients) {
   const auto models = conv_bn_nets(2);
   run_ranks(
       2,
-      [&](Job& job) {
+      [&](ProcessGroup& group) {
         at::globalContext().setAllowTF32CuDNN(false);
         std::vector<torch::Tensor> grads;
-        train_conv_bn_net(job, models[job.rank], "none", data, &grads);
+        train_conv_bn_net(group, models[group.rank()], "none", data, &grads);
         for (size_t i = 0; i < oracle_grads.size(); ++i)
-          EXPECT_LE(max_abs_diff(grads[i], oracle_grads[i]), 1e-5) << "rank " << job.rank << " parameter " << i;
+          EXPECT_LE(max_abs_diff(grads[i], oracle_grads[i]), 1e-5) << "rank " << group.rank() << " parameter " << i;
       },
       kGpu);
 }
@@ -340,10 +338,10 @@ TEST(CudaDdp, RanksSharingAGpuStayBitIdenticalUnderEveryHook) {
   const auto data = conv_bn_batches(2, 5);
   run_ranks(
       2,
-      [&](Job& job) {
+      [&](ProcessGroup& group) {
         for (const std::string& hook : kCompressions) {
-          const auto state = torch::cat(flatten(train_conv_bn_net(job, conv_bn_net(), hook, data)));
-          const auto all = job.stream->gather_to_rank0(state);
+          const auto state = torch::cat(flatten(train_conv_bn_net(group, conv_bn_net(), hook, data)));
+          const auto all = group.stream()->gather_to_rank0(state);
           for (size_t r = 1; r < all.size(); ++r)
             EXPECT_TRUE(torch::equal(all[r], all[0])) << hook << ": rank " << r << " differs from rank 0";
           EXPECT_TRUE(torch::isfinite(state).all().item<bool>()) << hook;

@@ -8,7 +8,7 @@
 #include <set>
 #include <sstream>
 
-#include "mnist_ddp/base/files.hpp"
+#include "app/base/files.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -173,26 +173,33 @@ TEST(Docs, EveryDocumentedCommandRunsOrSaysWhyNot) {
       }
     }
     const std::string text = source_text(page);
-    const std::regex named(R"((?:scripts|tests|docs|data|src|include)/[A-Za-z0-9_./-]*\.(?:sh|py|sbatch|md|hpp|cpp|png)|run_mnist_ddp\.sh)");
+    const std::regex named(R"((?:scripts|tests|docs|data|src|include|app|examples|cmake)/[A-Za-z0-9_./-]*\.(?:sh|py|sbatch|md|hpp|cpp|png|in|txt)|run_mnist_ddp\.sh)");
     for (auto it = std::sregex_iterator(text.begin(), text.end(), named); it != std::sregex_iterator(); ++it)
       EXPECT_TRUE(files::exists(std::string(MNIST_DDP_SOURCE_DIR) + "/" + it->str())) << page << " names " << it->str() << ", which is not there";
   }
   EXPECT_GE(count["check"], 5) << "the README's commands are no longer marked";
 }
 
-// The source tree as docs/design.md draws it: every file's includes of our
-// own headers run one way (main -> launch or worker -> train -> comm ->
-// base), no two files include each other's headers, one file reads the
-// environment, and no file grows past what a reader takes in at once.
+// The source tree as docs/design.md draws it. Two parts: the library
+// (include/mnist_ddp/, its public headers; src/, its code and private
+// headers) and the application (app/), which includes the library's public
+// headers only, as any program would; the library never includes the
+// application. Within each part includes run one way (library: parallel ->
+// comm -> base; application: main -> launch or worker -> train -> base), no
+// two files include each other's headers, one file reads the environment,
+// and no file grows past what a reader takes in at once.
 TEST(Layout, IncludesRunOneWayAndOneFileReadsTheEnvironment) {
-  const std::map<std::string, int> level = {{"base", 0}, {"comm", 1}, {"train", 2}, {"launch", 3}, {"", 3}};
-  // The room of a path below src/ or include/mnist_ddp/: its folder, "" at the top.
-  auto room = [](const std::string& path) {
+  // A file's part and room: "lib/comm", "app/train", "app/" (main, worker), "lib/" (ddp.hpp).
+  auto place = [](const std::string& root, const std::string& path) {
     const size_t slash = path.find('/');
-    return slash == std::string::npos ? std::string() : path.substr(0, slash);
+    const std::string room = slash == std::string::npos ? "" : path.substr(0, slash);
+    return (root == "app" ? "app/" : "lib/") + room;
   };
+  const std::map<std::string, int> level = {{"lib/base", 0},     {"lib/comm", 1},  {"lib/parallel", 2},
+                                            {"lib/", 3},         {"app/base", 4},  {"app/train", 5},
+                                            {"app/launch", 6},   {"app/", 6}};
   std::vector<std::pair<std::string, std::string>> files;  // (path below its root, root)
-  for (const std::string root : {"src", "include/mnist_ddp"}) {
+  for (const std::string root : {"src", "include/mnist_ddp", "app"}) {
     const std::string dir = std::string(MNIST_DDP_SOURCE_DIR) + "/" + root;
     for (const auto& name : files::list_directory(dir)) {
       if (files::is_directory(dir + "/" + name)) {
@@ -202,24 +209,51 @@ TEST(Layout, IncludesRunOneWayAndOneFileReadsTheEnvironment) {
       }
     }
   }
-  ASSERT_GT(files.size(), 40u);
+  ASSERT_GT(files.size(), 50u);
+  // What an include names: a public header ("mnist_ddp/comm/store"), a
+  // private one of the library ("comm/shared_memory", from src/), or the
+  // application's ("app/train/trainer").
+  auto header_place = [&](const std::string& header, std::string& kind) {
+    if (header.rfind("mnist_ddp/", 0) == 0) {
+      kind = "public";
+      return place("include/mnist_ddp", header.substr(10));
+    }
+    if (header.rfind("app/", 0) == 0) {
+      kind = "app";
+      return place("app", header.substr(4));
+    }
+    kind = "private";
+    return place("src", header);
+  };
   std::map<std::string, std::set<std::string>> includes;  // file (without extension) -> headers it includes
-  const std::regex ours(R"re(#include "mnist_ddp/([a-z_/]+)\.hpp")re");
+  const std::regex ours(R"re(#include "([a-z_/]+)\.hpp")re");
   for (const auto& [path, root] : files) {
     const std::string text = source_text(root + "/" + path);
-    const std::string me = path.substr(0, path.rfind('.'));
-    const std::string my_room = room(path);
-    ASSERT_TRUE(level.count(my_room)) << root << "/" << path << " is in no room of docs/design.md";
+    const std::string me = (root == "app" ? "app/" : root == "src" ? "" : "mnist_ddp/") + path.substr(0, path.rfind('.'));
+    const std::string my_place = place(root, path);
+    ASSERT_TRUE(level.count(my_place)) << root << "/" << path << " is in no room of docs/design.md";
+    const bool in_library = root != "app";
     for (auto it = std::sregex_iterator(text.begin(), text.end(), ours); it != std::sregex_iterator(); ++it) {
       const std::string header = (*it)[1].str();
       includes[me].insert(header);
       if (header == me) continue;
-      const std::string their_room = room(header);
-      ASSERT_TRUE(level.count(their_room)) << header;
-      EXPECT_LE(level.at(their_room), level.at(my_room)) << root << "/" << path << " includes " << header << ": upward";
+      std::string kind;
+      const std::string their_place = header_place(header, kind);
+      ASSERT_TRUE(level.count(their_place)) << root << "/" << path << " includes " << header;
+      if (in_library) {
+        EXPECT_NE(kind, "app") << root << "/" << path << " includes the application's " << header;
+        EXPECT_TRUE(kind != "private" || root == "src") << "public header " << path << " includes private " << header;
+      } else {
+        EXPECT_NE(kind, "private") << "app/" << path << " includes the library's private " << header
+                                   << ": the application uses the public headers only";
+      }
+      const bool across = in_library != (kind != "app");  // the application using the library
+      if (!across) {
+        EXPECT_LE(level.at(their_place), level.at(my_place)) << root << "/" << path << " includes " << header << ": upward";
+      }
       // The launcher and the worker are siblings: only main() includes either.
-      if (their_room == "launch" || their_room == "") {
-        EXPECT_TRUE((my_room == their_room && their_room == "launch") || me == "main")
+      if (their_place == "app/launch" || their_place == "app/") {
+        EXPECT_TRUE((my_place == their_place && their_place == "app/launch") || me == "app/main")
             << root << "/" << path << " includes " << header;
       }
     }
@@ -227,7 +261,7 @@ TEST(Layout, IncludesRunOneWayAndOneFileReadsTheEnvironment) {
     EXPECT_LE(lines, 460u) << root << "/" << path << " has " << lines << " lines";
     const std::string code = std::regex_replace(text, std::regex("//[^\n]*"), "");  // comments may name it
     const bool reads_environment = std::regex_search(code, std::regex(R"(\b(getenv\s*\(|environ\b))"));
-    EXPECT_EQ(reads_environment, path == "base/environment.cpp") << root << "/" << path;
+    EXPECT_EQ(reads_environment, root == "src" && path == "base/environment.cpp") << root << "/" << path;
   }
   for (const auto& [file, headers] : includes)
     for (const auto& header : headers)

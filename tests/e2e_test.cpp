@@ -9,8 +9,8 @@
 
 #include <spdlog/fmt/fmt.h>
 
-#include "mnist_ddp/base/files.hpp"
-#include "mnist_ddp/base/options.hpp"
+#include "app/base/files.hpp"
+#include "app/base/options.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {

@@ -9,9 +9,9 @@
 #include <map>
 
 #include "mnist_ddp/base/environment.hpp"
-#include "mnist_ddp/base/error_report.hpp"
-#include "mnist_ddp/base/options.hpp"
-#include "mnist_ddp/base/placement.hpp"
+#include "app/base/error_report.hpp"
+#include "app/base/options.hpp"
+#include "app/base/placement.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {

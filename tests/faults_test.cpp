@@ -10,8 +10,8 @@
 #include <regex>
 #include <thread>
 
-#include "mnist_ddp/train/checkpoint.hpp"
-#include "mnist_ddp/base/files.hpp"
+#include "app/train/checkpoint.hpp"
+#include "app/base/files.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {

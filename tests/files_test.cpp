@@ -4,7 +4,7 @@
 
 #include <unistd.h>
 
-#include "mnist_ddp/base/files.hpp"
+#include "app/base/files.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <regex>
 
-#include "mnist_ddp/base/placement.hpp"
+#include "app/base/placement.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {

@@ -3,7 +3,7 @@
 
 #include <limits>
 
-#include "mnist_ddp/train/layers.hpp"
+#include "app/train/layers.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {

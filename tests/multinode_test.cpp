@@ -9,9 +9,9 @@
 #include <random>
 #include <thread>
 
-#include "mnist_ddp/train/checkpoint.hpp"
-#include "mnist_ddp/base/files.hpp"
-#include "mnist_ddp/base/options.hpp"
+#include "app/train/checkpoint.hpp"
+#include "app/base/files.hpp"
+#include "app/base/options.hpp"
 #include "run_util.hpp"
 #include "test_util.hpp"
 

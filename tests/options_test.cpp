@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "mnist_ddp/base/environment.hpp"
-#include "mnist_ddp/base/options.hpp"
+#include "app/base/options.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -101,22 +101,22 @@ TEST(Options, BadValuesNameTheFlagAndWhatIsAllowed) {
 
 TEST(Options, PowerSgdKnobs) {
   const Options d = parse({});
-  EXPECT_EQ(d.powersgd.rank, 2);
-  EXPECT_EQ(d.powersgd.start_iter, 1000);
-  EXPECT_DOUBLE_EQ(d.powersgd.min_compression_rate, 2);
-  EXPECT_TRUE(d.powersgd.error_feedback);
-  EXPECT_TRUE(d.powersgd.warm_start);
-  EXPECT_DOUBLE_EQ(d.powersgd.orthogonalization_epsilon, 0);
-  EXPECT_EQ(d.powersgd.seed, 0u);
+  EXPECT_EQ(d.powersgd.matrix_approximation_rank(), 2);
+  EXPECT_EQ(d.powersgd.start_powersgd_iter(), 1000);
+  EXPECT_DOUBLE_EQ(d.powersgd.min_compression_rate(), 2);
+  EXPECT_TRUE(d.powersgd.use_error_feedback());
+  EXPECT_TRUE(d.powersgd.warm_start());
+  EXPECT_DOUBLE_EQ(d.powersgd.orthogonalization_epsilon(), 0);
+  EXPECT_EQ(d.powersgd.random_seed(), 0u);
   const Options o = parse({"--powersgd-rank", "4", "--start-powersgd-iter", "0", "--no-error-feedback",
                            "--no-warm-start", "--orthogonalization-epsilon", "1e-8", "--powersgd-seed", "7",
                            "--min-compression-rate", "3"});
-  EXPECT_EQ(o.powersgd.rank, 4);
-  EXPECT_EQ(o.powersgd.start_iter, 0);
-  EXPECT_FALSE(o.powersgd.error_feedback);
-  EXPECT_FALSE(o.powersgd.warm_start);
-  EXPECT_DOUBLE_EQ(o.powersgd.orthogonalization_epsilon, 1e-8);
-  EXPECT_EQ(o.powersgd.seed, 7u);
+  EXPECT_EQ(o.powersgd.matrix_approximation_rank(), 4);
+  EXPECT_EQ(o.powersgd.start_powersgd_iter(), 0);
+  EXPECT_FALSE(o.powersgd.use_error_feedback());
+  EXPECT_FALSE(o.powersgd.warm_start());
+  EXPECT_DOUBLE_EQ(o.powersgd.orthogonalization_epsilon(), 1e-8);
+  EXPECT_EQ(o.powersgd.random_seed(), 7u);
   std::map<std::string, std::string> args(o.arguments.begin(), o.arguments.end());
   EXPECT_EQ(args.at("no_error_feedback"), "true");
   const std::map<std::string, std::string> defaults(d.arguments.begin(), d.arguments.end());

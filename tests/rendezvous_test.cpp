@@ -9,7 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "mnist_ddp/comm/rendezvous.hpp"
+#include "mnist_ddp/comm/process_group.hpp"
 #include "mnist_ddp/comm/store.hpp"
 #include "test_util.hpp"
 
@@ -42,8 +42,12 @@ WorkerEnv worker_at(int port, int round) {
   return env;
 }
 
-Job join(int port, int round, std::chrono::milliseconds timeout) {
-  return join_job(worker_at(port, round), "gloo", torch::kCPU, timeout, {{"epochs", "1"}});
+ProcessGroup join(int port, int round, std::chrono::milliseconds timeout) {
+  return init_process_group(worker_at(port, round), ProcessGroupOptions()
+                                                     .backend("gloo")
+                                                     .device(torch::Device(torch::kCPU))
+                                                     .timeout(timeout)
+                                                     .settings({{"epochs", "1"}}));
 }
 
 // One local process sent the first bytes of a request and nothing more:
@@ -105,15 +109,15 @@ TEST(Rendezvous, AValueNoNodeWroteDoesNotBreakTheJoin) {
   const int port = static_cast<int>(store->getPort());
   store->add("round/1/nodes/0/claims", 1);
   store->set("round/1/nodes/0/claim", std::vector<uint8_t>{'h', 'i'});
-  const Job job = join(port, 1, 10s);
-  EXPECT_EQ(job.rank, 0);
-  EXPECT_EQ(job.world_size, 1);
+  const ProcessGroup group = join(port, 1, 10s);
+  EXPECT_EQ(group.rank(), 0);
+  EXPECT_EQ(group.world_size(), 1);
   // A node count no launcher wrote is named, not parsed into nonsense.
   store->set("round/2/nodes/1/size", std::vector<uint8_t>{'x'});
   WorkerEnv two = worker_at(port, 2);
   two.nnodes = 2;
   try {
-    join_job(two, "gloo", torch::kCPU, 10s, {});
+    init_process_group(two, ProcessGroupOptions().backend("gloo").device(torch::Device(torch::kCPU)).timeout(10s));
     ADD_FAILURE() << "joined with a foreign node count";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("holds 'x' at nodes/1/size, which no mnist_ddp wrote"), std::string::npos)

@@ -8,7 +8,7 @@
 #include <future>
 #include <thread>
 
-#include "mnist_ddp/launch/restart_rounds.hpp"
+#include "app/launch/restart_rounds.hpp"
 
 namespace mnist_ddp {
 namespace {

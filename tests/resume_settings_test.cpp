@@ -5,7 +5,7 @@
 
 #include <spdlog/spdlog.h>
 
-#include "mnist_ddp/train/trainer.hpp"
+#include "app/train/trainer.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -23,7 +23,7 @@ std::string train(int world, const std::vector<std::string>& args) {
   spdlog::set_level(spdlog::level::err);  // every rank would log rank 0's lines
   std::string error;
   try {
-    test::run_ranks(world, [&](Job& job) { Trainer(opts, run, job).run(); });
+    test::run_ranks(world, [&](ProcessGroup& group) { Trainer(opts, run, group).run(); });
   } catch (const std::exception& e) {
     error = e.what();
   }

@@ -14,8 +14,8 @@
 
 #include <spdlog/fmt/fmt.h>
 
-#include "mnist_ddp/train/checkpoint.hpp"
-#include "mnist_ddp/base/files.hpp"
+#include "app/train/checkpoint.hpp"
+#include "app/base/files.hpp"
 #include "run_util.hpp"
 #include "test_util.hpp"
 

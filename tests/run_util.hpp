@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "mnist_ddp/train/checkpoint.hpp"
+#include "app/train/checkpoint.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp::test {

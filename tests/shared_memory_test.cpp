@@ -11,7 +11,7 @@
 #include <chrono>
 #include <thread>
 
-#include "mnist_ddp/comm/shared_memory.hpp"
+#include "comm/shared_memory.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -53,13 +53,13 @@ TEST(SharedMemory, SumsEveryDtypeInRankOrderAsTheExactMath) {
   const int world = 3;
   run_ranks(
       world,
-      [&](Job& job) {
+      [&](ProcessGroup& group) {
         bool shares = false;
-        job.stream->run([&](Channel& c) { shares = c.shares_memory(); });
+        group.stream()->run([&](Channel& c) { shares = c.shares_memory(); });
         ASSERT_TRUE(shares);
         for (const auto& s : sums) {
-          torch::Tensor mine = values(job.rank, s.n, s.dtype);
-          job.stream->allreduce_sum(mine);
+          torch::Tensor mine = values(group.rank(), s.n, s.dtype);
+          group.stream()->allreduce_sum(mine);
           torch::Tensor expected;
           if (s.dtype == torch::kFloat16) {
             expected = values(0, s.n, s.dtype).to(torch::kFloat32);
@@ -69,12 +69,12 @@ TEST(SharedMemory, SumsEveryDtypeInRankOrderAsTheExactMath) {
             expected = values(0, s.n, s.dtype);
             for (int r = 1; r < world; ++r) expected = expected + values(r, s.n, s.dtype);
           }
-          EXPECT_TRUE(torch::equal(mine, expected)) << s.n << " of " << s.dtype << " on rank " << job.rank;
+          EXPECT_TRUE(torch::equal(mine, expected)) << s.n << " of " << s.dtype << " on rank " << group.rank();
         }
         // A view that is not contiguous is summed in place.
-        torch::Tensor matrix = values(job.rank, 12, torch::kFloat32).view({3, 4});
+        torch::Tensor matrix = values(group.rank(), 12, torch::kFloat32).view({3, 4});
         torch::Tensor column = matrix.select(1, 2);
-        job.stream->allreduce_sum(column);
+        group.stream()->allreduce_sum(column);
         torch::Tensor expected = values(0, 12, torch::kFloat32).view({3, 4}).select(1, 2).clone();
         for (int r = 1; r < world; ++r) expected += values(r, 12, torch::kFloat32).view({3, 4}).select(1, 2);
         EXPECT_TRUE(torch::equal(matrix.select(1, 2), expected));

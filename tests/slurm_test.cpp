@@ -8,7 +8,7 @@
 #include <regex>
 #include <set>
 
-#include "mnist_ddp/train/checkpoint.hpp"
+#include "app/train/checkpoint.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {

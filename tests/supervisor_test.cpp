@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "mnist_ddp/launch/supervisor.hpp"
+#include "app/launch/supervisor.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {

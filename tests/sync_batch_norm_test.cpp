@@ -3,9 +3,9 @@
 #include <cmath>
 #include <numeric>
 
-#include "mnist_ddp/train/checkpoint.hpp"
-#include "mnist_ddp/train/model.hpp"
-#include "mnist_ddp/train/sync_batch_norm.hpp"
+#include "app/train/checkpoint.hpp"
+#include "app/train/model.hpp"
+#include "mnist_ddp/parallel/sync_batch_norm.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -58,15 +58,16 @@ void expect_matches_batch_norm_on_the_concatenated_batch(const Case& c, torch::D
 
   run_ranks(
       world,
-      [&](Job& job) {
-    SyncBatchNorm bn(torch::nn::BatchNormOptions(channels), job.stream);
+      [&](ProcessGroup& group) {
+    SyncBatchNorm bn{torch::nn::BatchNormOptions(channels)};
+    bn->set_process_group(group);
     bn->to(device);
     {
       torch::NoGradGuard no_grad;
       bn->weight.copy_(weight0);
       bn->bias.copy_(bias0);
     }
-    const int64_t lo = begin[job.rank], hi = begin[job.rank + 1];
+    const int64_t lo = begin[group.rank()], hi = begin[group.rank() + 1];
     for (int s = 0; s < c.steps; ++s) {
       bn->zero_grad();
       auto x = xs[s].slice(0, lo, hi).to(device).requires_grad_(true);
@@ -75,7 +76,7 @@ void expect_matches_batch_norm_on_the_concatenated_batch(const Case& c, torch::D
       EXPECT_LE(max_abs_diff(y, oracle_y[s].slice(0, lo, hi)), 1e-5) << "output, step " << s;
       EXPECT_LE(max_abs_diff(x.grad(), oracle_dx[s].slice(0, lo, hi)), 1e-5) << "input gradient, step " << s;
       auto shares = torch::cat({bn->weight.grad(), bn->bias.grad()});
-      job.stream->allreduce_sum(shares);
+      group.stream()->allreduce_sum(shares);
       EXPECT_LE(max_abs_diff(shares.slice(0, 0, channels), oracle_dw[s]), 1e-5) << "weight gradient, step " << s;
       EXPECT_LE(max_abs_diff(shares.slice(0, channels), oracle_db[s]), 1e-5) << "bias gradient, step " << s;
     }
@@ -123,8 +124,9 @@ TEST(SyncBatchNorm, WorldSizeOneIsBatchNorm2dExactly) {
   torch::manual_seed(3);
   const auto x = torch::randn({6, 4, 5, 5});
   torch::nn::BatchNorm2d plain(4);
-  run_ranks(1, [&](Job& job) {
-    SyncBatchNorm sync(torch::nn::BatchNormOptions(4), job.stream);
+  run_ranks(1, [&](ProcessGroup& group) {
+    SyncBatchNorm sync{torch::nn::BatchNormOptions(4)};
+    sync->set_process_group(group);
     for (int step = 0; step < 2; ++step) {
       auto a = x.clone().requires_grad_(true), b = x.clone().requires_grad_(true);
       auto ya = plain->forward(a), yb = sync->forward(b);
@@ -141,8 +143,9 @@ TEST(SyncBatchNorm, WorldSizeOneIsBatchNorm2dExactly) {
 TEST(SyncBatchNorm, EvalUsesRunningStatisticsAndNeverCommunicates) {
   // Rank r evaluates r + 1 batches: any collective would leave a rank waiting.
   std::vector<torch::Tensor> outputs(3);
-  run_ranks(3, [&](Job& job) {
-    SyncBatchNorm bn(torch::nn::BatchNormOptions(2), job.stream);
+  run_ranks(3, [&](ProcessGroup& group) {
+    SyncBatchNorm bn{torch::nn::BatchNormOptions(2)};
+    bn->set_process_group(group);
     {
       torch::NoGradGuard no_grad;
       bn->running_mean.copy_(torch::tensor({1.0f, -2.0f}));
@@ -150,8 +153,8 @@ TEST(SyncBatchNorm, EvalUsesRunningStatisticsAndNeverCommunicates) {
     }
     bn->eval();
     torch::Tensor y;
-    for (int b = 0; b <= job.rank; ++b) y = bn->forward(torch::ones({2, 2, 3, 3}));
-    outputs[job.rank] = y;
+    for (int b = 0; b <= group.rank(); ++b) y = bn->forward(torch::ones({2, 2, 3, 3}));
+    outputs[group.rank()] = y;
   });
   const auto expected = torch::tensor({(1 - 1) / std::sqrt(4 + 1e-5), (1 + 2) / std::sqrt(0.25 + 1e-5)});
   for (const auto& y : outputs) EXPECT_LE(max_abs_diff(y.select(0, 0).mean({1, 2}), expected), 1e-5);
@@ -166,7 +169,7 @@ TEST(SyncBatchNorm, ConvertingNetKeepsItsStateDictNamesAndValues) {
   }
   const auto before = state_dict(*net);
   const void* weight_before = net->named_parameters()["bn2.weight"].data_ptr();
-  run_ranks(1, [&](Job& job) { convert_sync_batchnorm(*net, job.stream); });
+  run_ranks(1, [&](ProcessGroup& group) { convert_sync_batchnorm(net, group); });
   const auto after = state_dict(*net);
   ASSERT_EQ(before.size(), after.size());
   auto a = before.begin();

@@ -36,23 +36,23 @@
 
 #include <zlib.h>
 
-#include "mnist_ddp/base/files.hpp"
-#include "mnist_ddp/base/options.hpp"
-#include "mnist_ddp/comm/rendezvous.hpp"
-#include "mnist_ddp/train/report.hpp"
+#include "app/base/files.hpp"
+#include "app/base/options.hpp"
+#include "mnist_ddp/comm/process_group.hpp"
+#include "app/train/report.hpp"
 
 namespace mnist_ddp::test {
 
-void run_rank_processes(int world, const std::function<void(Job&)>& fn, torch::Device device);
+void run_rank_processes(int world, const std::function<void(ProcessGroup&)>& fn, torch::Device device);
 
 // How CPU ranks sum: through their Gloo group, or through shared memory as
 // a job on one host does (shared_memory.hpp).
 enum class Sums { gloo, shared_memory };
 
-// Runs fn(job) on `world` ranks with Gloo groups, their tensors on
+// Runs fn(group) on `world` ranks with Gloo groups, their tensors on
 // `device`. On the CPU each rank is a thread, all over one in-memory store;
 // the first failure is rethrown. On a GPU, see run_rank_processes.
-inline void run_ranks(int world, const std::function<void(Job&)>& fn, torch::Device device = torch::kCPU,
+inline void run_ranks(int world, const std::function<void(ProcessGroup&)>& fn, torch::Device device = torch::kCPU,
                       Sums sums = Sums::gloo) {
   if (device.is_cuda()) return run_rank_processes(world, fn, device);
   auto store = c10::make_intrusive<c10d::HashStore>();
@@ -62,10 +62,10 @@ inline void run_ranks(int world, const std::function<void(Job&)>& fn, torch::Dev
   for (int rank = 0; rank < world; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        Job job = make_job(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(60),
+        ProcessGroup group = make_process_group(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(60),
                               sums == Sums::shared_memory);
-        fn(job);
-        if (world > 1) job.stream->barrier();  // no rank tears its group down while another still talks on it
+        fn(group);
+        if (world > 1) group.stream()->barrier();  // no rank tears its group down while another still talks on it
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex);
         if (!failure) failure = std::current_exception();
@@ -424,12 +424,12 @@ inline bool no_children_left(std::chrono::milliseconds limit) {
 // test, as one rank over a FileStore; the parent fails when a rank does. So
 // a CUDA test must assert inside `fn`: what the ranks write to variables
 // stays in their processes.
-inline void run_rank_processes(int world, const std::function<void(Job&)>& fn, torch::Device device) {
+inline void run_rank_processes(int world, const std::function<void(ProcessGroup&)>& fn, torch::Device device) {
   if (const char* rank = std::getenv("MNIST_DDP_TEST_RANK")) {  // this process is one of the ranks
     auto store = c10::make_intrusive<c10d::FileStore>(std::getenv("MNIST_DDP_TEST_STORE"), world);
-    Job job = make_job(store, std::atoi(rank), world, "gloo", device, std::chrono::seconds(60));
-    fn(job);
-    if (world > 1) job.stream->barrier();
+    ProcessGroup group = make_process_group(store, std::atoi(rank), world, "gloo", device, std::chrono::seconds(60));
+    fn(group);
+    if (world > 1) group.stream()->barrier();
     return;
   }
   TempDir dir;

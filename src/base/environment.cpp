@@ -94,9 +94,6 @@ Environment environment_from(const std::vector<std::string>& variables, double p
   env.launch_time = launched.empty() ? process_start : std::atof(launched.c_str());
   env.dumb_terminal = read.text("TERM") == "dumb";
   env.libtorch_log_level = read.has("GLOG_minloglevel");
-  env.faults.kill_at_write = std::max(0, std::atoi(read.text("MNIST_DDP_KILL_AT_WRITE", "0").c_str()));
-  env.faults.kill_after_step = Faults::parse_steps(read.text("MNIST_DDP_KILL_AFTER_STEP"));
-  env.faults.pause_after_step = Faults::parse_steps(read.text("MNIST_DDP_PAUSE_AFTER_STEP"));
   return env;
 }
 
@@ -307,19 +304,6 @@ std::vector<std::pair<std::string, std::string>> node_decisions(const Environmen
   return decided;
 }
 
-std::vector<std::pair<std::string, std::string>> launcher_decisions(const WorkerEnv& env) {
-  if (env.ours()) return {};
-  std::vector<std::pair<std::string, std::string>> decided = {
-      {"master_addr", env.master_addr},
-      {"master_port", std::to_string(env.master_port)},
-      {"nproc", std::to_string(env.local_world_size)},
-  };
-  if (env.world_size % env.local_world_size == 0)
-    decided.emplace_back("nnodes", std::to_string(env.world_size / env.local_world_size));
-  decided.emplace_back("node_rank", std::to_string(env.node_rank));
-  return decided;
-}
-
 std::vector<std::string> worker_environment(const WorkerEnv& env, const std::vector<std::string>& parent, int cores,
                                             double launch_time) {
   std::vector<std::string> out;
@@ -351,26 +335,6 @@ std::vector<std::string> worker_environment(const WorkerEnv& env, const std::vec
   // Each worker's share of the cores, for every OpenMP pool it starts
   // (ATen's and OpenBLAS's, on any thread), unless the user set one.
   if (!threads) out.push_back("OMP_NUM_THREADS=" + std::to_string(std::max(1, cores / std::max(1, env.local_world_size))));
-  return out;
-}
-
-int64_t Faults::step_for(const std::vector<AtStep>& points, int restart, int rank) {
-  for (const AtStep& p : points)
-    if (p.restart == restart && p.rank == rank) return p.step;
-  return -1;
-}
-
-std::vector<Faults::AtStep> Faults::parse_steps(const std::string& spec) {
-  std::vector<AtStep> out;
-  std::istringstream entries(spec);
-  for (std::string entry; std::getline(entries, entry, ',');) {
-    AtStep p;
-    long long step = -1;
-    if (std::sscanf(entry.c_str(), "%d:%d:%lld", &p.restart, &p.rank, &step) == 3) {
-      p.step = step;
-      out.push_back(p);
-    }
-  }
   return out;
 }
 

@@ -9,7 +9,7 @@
 #include <sstream>
 
 #include "mnist_ddp/comm/runtime.hpp"
-#include "mnist_ddp/comm/shared_memory.hpp"
+#include "comm/shared_memory.hpp"
 
 namespace mnist_ddp {
 
@@ -40,8 +40,43 @@ FuturePtr Channel::allreduce_sum(torch::Tensor tensor) {
     if (!dense.is_same(tensor)) tensor.copy_(dense);
     return completed_future(tensor);
   }
+  const bool half = tensor.scalar_type() == torch::kHalf, bfloat = tensor.scalar_type() == torch::kBFloat16;
+  constexpr int64_t kRingFrom = 1 << 16;  // float16 elements
+  if (!nccl_ && world_size() > 1 && ((half && tensor.numel() >= kRingFrom) || bfloat)) {
+    if (tensor.is_cpu()) {
+      ring_allreduce_sum(tensor);
+    } else {  // ranks sharing a GPU over Gloo
+      torch::Tensor cpu = tensor.cpu();
+      ring_allreduce_sum(cpu);
+      tensor.copy_(cpu);
+    }
+    return completed_future(tensor);
+  }
   std::vector<at::Tensor> tensors{std::move(tensor)};
   return group_->allreduce(tensors)->getFuture();
+}
+
+// Each rank sends 2 (W - 1) / W of the tensor, as Gloo's ring does.
+void Channel::ring_allreduce_sum(torch::Tensor& tensor) {
+  const int world = world_size(), me = rank();
+  const int next = (me + 1) % world, prev = (me + world - 1) % world;
+  const int64_t n = tensor.numel(), chunk = (n + world - 1) / world;
+  auto padded = torch::zeros({chunk * world}, tensor.options());
+  padded.slice(0, 0, n).copy_(tensor.reshape(-1));
+  auto chunks = padded.view({world, chunk});
+  auto incoming = torch::empty({chunk}, tensor.options());
+  const int64_t piece = kLinkPieceBytes / static_cast<int64_t>(tensor.element_size());
+  for (int s = 0; s < world - 1; ++s) {  // chunk (me - s - 1) collects every rank's part
+    const int64_t out = (me - s + world) % world, in = (me - s - 1 + world) % world;
+    exchange(chunks[out], next, incoming, prev, piece, kLinkPiecesInFlight);
+    chunks[in].copy_(chunks[in].to(torch::kFloat32).add_(incoming.to(torch::kFloat32)));
+  }
+  for (int s = 0; s < world - 1; ++s) {  // pass the finished chunks round
+    const int64_t out = (me + 1 - s + world) % world, in = (me - s + world) % world;
+    torch::Tensor finished = chunks[in];
+    exchange(chunks[out], next, finished, prev, piece, kLinkPiecesInFlight);
+  }
+  tensor.copy_(padded.slice(0, 0, n).view_as(tensor));
 }
 
 void Channel::broadcast(torch::Tensor& tensor, int root) {

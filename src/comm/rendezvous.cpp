@@ -1,4 +1,4 @@
-#include "mnist_ddp/comm/rendezvous.hpp"
+#include "comm/rendezvous.hpp"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -7,28 +7,18 @@
 #include <unistd.h>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#ifdef MNIST_DDP_WITH_CUDA
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
 
 #include <algorithm>
 #include <cctype>
-#include <condition_variable>
 #include <cstdlib>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <sstream>
 #include <stdexcept>
-#include <thread>
 
 #include "mnist_ddp/base/errors.hpp"
-#include "mnist_ddp/comm/runtime.hpp"
-#include "mnist_ddp/comm/shared_memory.hpp"
 
 namespace mnist_ddp {
-namespace {
 
 // What a rank says when the store stops answering: its host stopped, and
 // whoever stopped it says why.
@@ -60,6 +50,8 @@ std::string local_address_towards(const std::string& host) {
   return address;
 }
 
+
+namespace {
 
 // Waits for `keys`; on timeout throws `describe(missing keys)`; a store
 // that stopped answering is StoreStalled, one that went away PeerLost.
@@ -123,67 +115,13 @@ void compare_settings(const std::string& mine, int me, const std::string& theirs
     const auto it = b.find(name);
     const std::string other_value = it == b.end() ? "(none)" : it->second;
     if (other_value == value) continue;
-    std::string flag = name;
-    std::replace(flag.begin(), flag.end(), '_', '-');
-    throw std::runtime_error("--" + flag + " differs between ranks: rank " + std::to_string(me) + " has '" + value +
+    throw std::runtime_error(name + " differs between ranks: rank " + std::to_string(me) + " has '" + value +
                              "', rank " + std::to_string(other) + " has '" + other_value +
-                             "'; every node must train with the same settings");
+                             "'; every rank must run with the same settings");
   }
 }
 
-GroupPtr create_group(const StorePtr& store, const std::string& backend, int rank, int world_size,
-                      const std::string& gloo_address, std::chrono::milliseconds timeout) {
-  if (backend == "nccl") {
-#ifdef MNIST_DDP_WITH_CUDA
-    auto options = c10d::ProcessGroupNCCL::Options::create();
-    options->timeout = timeout;
-    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world_size, options);
-#else
-    throw std::runtime_error("this mnist_ddp was built without CUDA; NCCL is not available");
-#endif
-  }
-  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(gloo_address));
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, options);
-}
-
-// The rank's group, with the store prefix `name`, behind an ordered stream;
-// with `shared_memory` (every rank on this host), CPU sums go through a
-// SharedMemoryReducer.
-std::shared_ptr<CollectiveStream> make_stream(const StorePtr& store, const std::string& name, const std::string& backend,
-                                              int rank, int world_size, const torch::Device& device,
-                                              const std::string& gloo_address, std::chrono::milliseconds timeout,
-                                              bool shared_memory) {
-  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
-  GroupPtr group;
-  try {
-    // Bounded as every store request is (store.hpp, "Note on stalls"): the
-    // group meets its peers through the store.
-    group = StoreClient::within(timeout + std::chrono::seconds(5),
-                                "could not form the process group with all " + std::to_string(world_size) +
-                                    " ranks within " + std::to_string(timeout.count() / 1000) +
-                                    " s: the store stopped answering",
-                                [=] {
-                                  use_device(device);  // the helper thread's, as the caller's
-                                  return create_group(prefixed, backend, rank, world_size, gloo_address, timeout);
-                                });
-  } catch (const StoreStalled&) {
-    throw;
-  } catch (const std::exception& e) {
-    try {
-      StoreClient(store, std::chrono::seconds(5), "the store").check({"settings/0"});
-    } catch (const std::exception&) {
-      throw store_lost(e);
-    }
-    throw std::runtime_error("could not form the process group with all " + std::to_string(world_size) +
-                             " ranks within " + std::to_string(timeout.count() / 1000) + " s (" + error_line(e) + ")");
-  }
-  std::unique_ptr<SharedMemoryReducer> shared;
-  if (shared_memory && world_size > 1)
-    shared = std::make_unique<SharedMemoryReducer>(*prefixed, rank, world_size, timeout,
-                                                   [&] { group->barrier()->wait(); });
-  return std::make_shared<CollectiveStream>(group, device, backend == "nccl", std::move(shared));
-}
+}  // namespace
 
 // The store the workers of this start meet in, and which start of the job
 // it is: our launcher's (node 0's) store, under the round's prefix;
@@ -252,8 +190,7 @@ std::pair<int, int> agree_on_ranks(const StoreClient& store, const WorkerEnv& en
 }
 
 // Rank 0 checks everyone's settings, everyone checks rank 0's.
-void check_settings(const StoreClient& store, int rank, int world_size,
-                    const std::vector<std::pair<std::string, std::string>>& settings,
+void check_settings(const StoreClient& store, int rank, int world_size, const Settings& settings,
                     std::chrono::milliseconds timeout) {
   std::string mine;
   for (const auto& [name, value] : settings) mine += name + "=" + value + "\n";
@@ -272,114 +209,6 @@ void check_settings(const StoreClient& store, int rank, int world_size,
     wait_for(store, {"settings/0"}, timeout, never_arrived);
     compare_settings(store.get("settings/0"), 0, mine, rank);
   }
-}
-
-}  // namespace
-
-// Every rank beats into the store once a second. Its thread may be blocked
-// on a stalled store when the job ends: then it is left to the process's
-// end rather than waited for.
-class Heartbeat {
- public:
-  Heartbeat(StorePtr store, int rank, std::chrono::milliseconds timeout)
-      : state_(std::make_shared<State>(StoreClient(std::move(store), timeout, "the store"))) {
-    std::thread([state = state_, key = "heartbeat/" + std::to_string(rank)] { beat(*state, key); }).detach();
-  }
-  ~Heartbeat() {
-    std::unique_lock<std::mutex> lock(state_->mutex);
-    state_->stopping = true;
-    state_->cv.notify_all();
-    state_->cv.wait_for(lock, std::chrono::seconds(1), [this] { return state_->stopped; });
-  }
-
- private:
-  struct State {
-    explicit State(StoreClient c) : client(std::move(c)) {}
-    StoreClient client;
-    std::mutex mutex;
-    std::condition_variable cv;
-    bool stopping = false, stopped = false;
-  };
-
-  static void beat(State& state, const std::string& key) {
-    std::unique_lock<std::mutex> lock(state.mutex);
-    for (int64_t n = 1; !state.stopping; ++n) {
-      lock.unlock();
-      try {
-        state.client.set(key, std::to_string(n));
-      } catch (const std::exception&) {
-        lock.lock();
-        break;  // the store is gone or stalled: someone will say so
-      }
-      lock.lock();
-      state.cv.wait_for(lock, std::chrono::seconds(1), [&] { return state.stopping; });
-    }
-    state.stopped = true;
-    state.cv.notify_all();
-  }
-
-  std::shared_ptr<State> state_;
-};
-
-std::vector<int> Job::silent_ranks() const {
-  const StoreClient client(store, std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(5)), "the store");
-  auto read = [&] {
-    std::vector<std::string> beats(world_size);
-    for (int r = 0; r < world_size; ++r) {
-      const std::string key = "heartbeat/" + std::to_string(r);
-      if (client.check({key})) beats[r] = client.get(key);
-    }
-    return beats;
-  };
-  std::vector<int> silent;
-  try {
-    const auto before = read();
-    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
-    const auto after = read();
-    for (int r = 0; r < world_size; ++r)
-      if (r != rank && before[r] == after[r]) silent.push_back(r);
-  } catch (const StoreStalled&) {
-    // A stalled store says nothing about who is gone.
-  } catch (const std::exception&) {
-    silent = {0};
-  }
-  return silent;
-}
-
-Job make_job(StorePtr store, int rank, int world_size, const std::string& backend, torch::Device device,
-             std::chrono::milliseconds timeout, bool shared_memory, const std::string& gloo_address) {
-  Job job;
-  job.rank = rank;
-  job.world_size = world_size;
-  job.backend = backend;
-  job.device = device;
-  job.timeout = timeout;
-  job.gloo_address = gloo_address;
-  job.store = std::move(store);
-  job.heartbeat_ = std::make_shared<Heartbeat>(job.store, rank, timeout);
-  const bool shm = shared_memory && backend == "gloo" && device.is_cpu();
-  job.stream = make_stream(job.store, "main", backend, rank, world_size, device, gloo_address, timeout, shm);
-  job.quick = backend == "nccl" || world_size == 1
-                  ? job.stream
-                  : make_stream(job.store, "quick", backend, rank, world_size, device, gloo_address, timeout, shm);
-  return job;
-}
-
-Job join_job(const WorkerEnv& env, const std::string& backend, torch::Device device,
-             std::chrono::milliseconds timeout, const std::vector<std::pair<std::string, std::string>>& settings) {
-  use_device(device);
-  const auto [store, restart] = open_job_store(env, timeout);
-  const StoreClient client(store, timeout,
-                           "the rendezvous store at " + env.master_addr + ":" + std::to_string(env.master_port));
-  const auto [rank, world_size] = env.rank < 0 ? agree_on_ranks(client, env, timeout)
-                                               : std::pair<int, int>{env.rank, env.world_size};
-  check_settings(client, rank, world_size, settings, timeout);
-  // A CPU job on one host sums through shared memory (shared_memory.hpp).
-  const bool one_host = world_size == env.local_world_size;
-  Job job = make_job(store, rank, world_size, backend, device, timeout, one_host,
-                     local_address_towards(env.master_addr));
-  job.restart = restart;
-  return job;
 }
 
 }  // namespace mnist_ddp

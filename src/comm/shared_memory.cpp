@@ -1,4 +1,4 @@
-#include "mnist_ddp/comm/shared_memory.hpp"
+#include "comm/shared_memory.hpp"
 
 #include <fcntl.h>
 #include <linux/futex.h>

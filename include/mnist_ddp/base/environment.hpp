@@ -3,9 +3,9 @@
 // read_environment() turns the variables this process was started with into
 // plain values: which launcher started it as a worker and what that launcher
 // decided (WorkerEnv), the CUDA and OpenMP variables, when the job was
-// launched, and the tests' fault injection (faults.hpp). No other file calls
-// getenv. Tests build an Environment from a list of variables with
-// environment_from().
+// launched. No other file calls getenv: a program reads what else it needs
+// through Environment::get(). Tests build an Environment from a list of
+// variables with environment_from().
 //
 // It also holds the other direction: the environment our launcher gives
 // each worker (worker_environment()), which reads back as the same WorkerEnv.
@@ -16,15 +16,13 @@
 #include <string>
 #include <vector>
 
-#include "mnist_ddp/base/faults.hpp"
-
 namespace mnist_ddp {
 
 // A worker's place in the job, as the launcher that started it gives it.
 //
-// A worker is this same binary, exec'ed with the environment torchrun would
-// give it (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
-// MASTER_PORT, and RANK and WORLD_SIZE from torchrun or Slurm).
+// Our launcher execs each worker with the environment torchrun would give
+// it (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT)
+// and its own (MNIST_DDP_*); other launchers give RANK and WORLD_SIZE too.
 struct WorkerEnv {
   // Who started it: "mnist_ddp" (ours), "torchrun" (or RANK set by hand),
   // "slurm", "mpirun" (Open MPI), "mpiexec" (MPICH, Intel MPI: hydra),
@@ -80,7 +78,6 @@ struct Environment {
   int parent_pid = 0;               // this process's parent: an MPI job's proxy, one per node
   bool dumb_terminal = false;       // TERM=dumb: no progress line
   bool libtorch_log_level = false;  // GLOG_minloglevel is set: LibTorch's logs are the user's to tune
-  Faults faults;
 
   // The value of `name`, nullopt when it is unset.
   std::optional<std::string> get(const std::string& name) const;
@@ -128,12 +125,6 @@ std::vector<std::pair<std::string, std::string>> node_decisions(const Environmen
 // else 29500. Throws UsageError for a job across hosts with no address.
 void resolve_store_address(WorkerEnv& env, const std::string& master_addr, bool addr_given, int master_port,
                            bool port_given);
-
-// What a launcher other than ours decided that a flag would otherwise say,
-// as (argument name, value): the store's address and port, the node's
-// worker count, the node count and this node's rank. Empty for our own
-// launcher's workers, whose flags are the launcher's.
-std::vector<std::pair<std::string, std::string>> launcher_decisions(const WorkerEnv& env);
 
 // The environment our launcher gives the worker `env` describes: `parent`
 // ("KEY=VALUE" entries) without any launcher's variables, then ours, which

@@ -1,8 +1,8 @@
-// The errors every part of mnist_ddp throws, and the one line a user reads.
+// The errors mnist_ddp throws, and the one line a user reads.
 //
-// Code throws with context; the top of the launcher and of each worker turns
-// what it catches into one line and an exit code: 2 for a UsageError, 1 for
-// anything else. A user never sees a stack trace.
+// Code throws with context; the top of a program turns what it catches into
+// one line (error_line()) and an exit code: the mnist_ddp application exits
+// 2 for a UsageError, 1 for anything else. A user never sees a stack trace.
 #pragma once
 
 #include <exception>
@@ -11,8 +11,9 @@
 
 namespace mnist_ddp {
 
-// A bad command line or launcher environment. what() is a single line that
-// names the flag or variable and what is allowed.
+// Something the user must fix: a command line, a launcher's environment, a
+// model or option the library cannot take as given. what() is a single line
+// that names the flag, variable or tensor and what is allowed.
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };

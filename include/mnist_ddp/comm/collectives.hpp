@@ -61,6 +61,22 @@ FuturePtr completed_future(const torch::Tensor& tensor);
 //
 // With a SharedMemoryReducer (every rank on this host, CPU tensors), sums
 // of CPU tensors go through it and everything else through the group.
+//
+// Note on the link. Without shared memory, a 16-bit float tensor on the CPU
+// (float16 of 64 Ki elements or more; bfloat16 always, which Gloo may not
+// add) goes round a ring of point-to-point transfers that adds in float32:
+// Gloo's own allreduce adds float16 one element at a time, which made the
+// fp16 hook slower than sending float32. The ring sends pieces of
+// kLinkPieceBytes, kLinkPiecesInFlight at a time, not a whole chunk per
+// exchange: over a shaped link that took fp16 from 326 to 214 ms/step at
+// 100 Mbit/s and from 54 to 46 at 1 Gbit/s (docs/performance.md; the link's
+// queue peaked at about 0.4 MB either way, so why was not pinned down).
+// Everything else, float32 included, goes to Gloo's allreduce,
+// asynchronously: the same pieced ring for float32 was 5% faster at 1
+// Gbit/s but 22% slower unshaped (44 against 36 ms/step), its pieces
+// costing the one core a node has there more than they saved.
+constexpr int64_t kLinkPieceBytes = 256 * 1024;
+constexpr int kLinkPiecesInFlight = 2;
 class Channel {
  public:
   Channel(GroupPtr group, torch::Device device, bool nccl, std::unique_ptr<SharedMemoryReducer> shared = nullptr);
@@ -73,7 +89,8 @@ class Channel {
 
   // Sums `tensor` over ranks in place; the future completes with it. Runs
   // asynchronously through the group (several may be in flight, completing
-  // in issue order), synchronously through shared memory.
+  // in issue order), synchronously through shared memory or the ring (see
+  // "the link").
   FuturePtr allreduce_sum(torch::Tensor tensor);
   // Whether CPU sums go through shared memory.
   bool shares_memory() const { return shared_ != nullptr; }
@@ -95,6 +112,9 @@ class Channel {
 
  private:
   void issue(const char* kind, const torch::Tensor& tensor);
+  // Reduce-scatter then allgather round the ring rank -> rank + 1, adding in
+  // float32; blocking.
+  void ring_allreduce_sum(torch::Tensor& tensor);
 
   GroupPtr group_;
   torch::Device device_;

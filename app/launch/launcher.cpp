@@ -1,0 +1,269 @@
+#include "app/launch/launcher.hpp"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include "app/base/files.hpp"
+#include "mnist_ddp/comm/store.hpp"
+#include "app/launch/restart_rounds.hpp"
+#include "app/launch/supervisor.hpp"
+#include "app/train/checkpoint.hpp"
+#include "app/train/data.hpp"
+#include "app/train/model.hpp"
+#include "app/train/resume.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+constexpr auto kGracePeriod = std::chrono::seconds(5);  // SIGTERM, then SIGKILL
+// For workers to finish their step and checkpoint it after a preemption
+// signal (Slurm's KillWait is 30 s by default, --signal=USR1@60 gives 60).
+constexpr auto kPreemptionGrace = std::chrono::seconds(60);
+
+// What the launcher starts: this binary as mnist_ddp's workers, or a
+// program of the user's (mnist_ddp run).
+struct Workers {
+  std::string program;            // the file to exec
+  std::vector<std::string> argv;  // argv[0] included
+  bool ours = true;               // mnist_ddp's workers: data to fit, --resume auto on a restart
+};
+
+class Launcher {
+ public:
+  Launcher(const Options& opts, const Placement& placement, const Environment& env, Workers workers,
+           const sigset_t& original_mask)
+      : opts_(opts), placement_(placement), env_(env), workers_(std::move(workers)), supervisor_(original_mask) {}
+  ~Launcher() { close_store(store_); }  // never waits on a stalled store (store.hpp)
+
+  int run() {
+    // What a worker holds, measured: 63 MB of its own, and the data set.
+    constexpr int64_t kWorkerBytes = 63 << 20;
+    const int64_t data = workers_.ours ? kWorkerBytes + dataset_bytes(opts_.data_dir, opts_.dataset) : 0;
+    check_workers_fit(opts_, placement_, data, static_cast<int>(std::thread::hardware_concurrency()),
+                      available_memory());
+    if (const int code = open_job_store(); code >= 0) return code;
+    RestartRounds rounds(store_, opts_.node_rank, opts_.nnodes, timeout());
+    std::vector<std::string> argv = workers_.argv;
+    double launched = env_.launch_time;
+    for (int round = 0;; ++round) {
+      const int code = supervise(rounds, round, start_workers(round, argv, launched));
+      const bool again = code != 0 && !interrupted_ && code != 2 && round < opts_.max_restarts;
+      RestartRounds::Outcome next{again, failure_};
+      if (again) next = rounds.join(round + 1, failure_, [this] { return signalled(100); });
+      if (!next.start) {
+        failure_ = next.why;
+        if (!failure_.empty())
+          std::cerr << "mnist_ddp: error: " << failure_
+                    << (round == 0                     ? std::string()
+                        : round == opts_.max_restarts ? " (restarted " + std::to_string(round) + " times; no restart left)"
+                                                      : " (restarted " + std::to_string(round) + " times)")
+                    << std::endl;
+        if (code != 0)
+          rounds.refuse(round + 1, "node " + std::to_string(opts_.node_rank) + " stopped" +
+                                       (failure_.empty() ? std::string(" (interrupted)") : ": " + failure_));
+        return code;
+      }
+      announce_restart(next.why, round + 1);
+      // --resume auto starts from the beginning where node 0 has no checkpoint yet.
+      if (round == 0 && workers_.ours) argv.insert(argv.end(), {"--resume", "auto"});  // the last --resume wins
+      launched = unix_seconds();  // the restarted workers time their start-up from now
+    }
+  }
+
+ private:
+  std::chrono::milliseconds timeout() const {
+    return std::chrono::milliseconds(static_cast<int64_t>(opts_.timeout * 1000));
+  }
+
+  // The store outlives the workers, so the nodes can agree on a restart
+  // through it. Node 0 hosts it; another node waits for it up to --timeout,
+  // answering signals meanwhile. Returns -1 once it is open, else the exit code.
+  int open_job_store() {
+    if (opts_.node_rank == 0) {
+      store_ = open_store(opts_.master_addr, opts_.master_port, true, timeout());
+      return -1;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    for (;;) {
+      try {
+        store_ = open_store(opts_.master_addr, opts_.master_port, false, std::chrono::seconds(1));
+        return -1;
+      } catch (const std::runtime_error&) {
+        if (std::chrono::steady_clock::now() >= deadline)
+          throw std::runtime_error("could not reach node 0's store at " + opts_.master_addr + ":" +
+                                   std::to_string(opts_.master_port) + " within " +
+                                   std::to_string(static_cast<int64_t>(opts_.timeout)) +
+                                   " s: start mnist_ddp there with --node-rank 0");
+      }
+      if (const auto event = supervisor_.wait(std::chrono::milliseconds(0)); event.signal)
+        return on_signal(event.signal);
+    }
+  }
+
+  // Starts round `round`'s workers. Returns early with what happened when a
+  // worker already failed, or a signal came, while the others were being
+  // started (many workers take a while to start).
+  Supervisor::Event start_workers(int round, const std::vector<std::string>& argv, double launched) {
+    for (int r = 0; r < placement_.local_workers; ++r) {
+      WorkerEnv w;
+      w.local_rank = r;
+      w.local_world_size = placement_.local_workers;
+      w.node_rank = opts_.node_rank;
+      w.nnodes = opts_.nnodes;
+      w.master_addr = opts_.master_addr;
+      w.master_port = static_cast<int>(store_->getPort());
+      w.round = round;
+      w.backend = placement_.backend;
+      w.device = device_of_local_rank(placement_, r);
+      w.error_report_fd = supervisor_.report_fd();
+      const auto env = worker_environment(w, env_.variables, static_cast<int>(std::thread::hardware_concurrency()),
+                                          launched);
+      supervisor_.start(r, workers_.program, argv, env);
+      if (Supervisor::Event event = supervisor_.wait(std::chrono::milliseconds(0)); event.signal || event.failure)
+        return event;
+    }
+    return {};
+  }
+
+  // Supervises round `round`, whose start came to `at_start`, until every
+  // worker has exited, a worker fails, a signal arrives, or (with several
+  // nodes) another node asks for the next round. Returns the exit code it
+  // comes to.
+  int supervise(RestartRounds& rounds, int round, const Supervisor::Event& at_start) {
+    if (at_start.signal) return on_signal(at_start.signal);
+    if (at_start.failure) return on_failure(*at_start.failure, round);
+    while (supervisor_.any_running()) {
+      const auto event = supervisor_.wait(opts_.nnodes > 1 ? std::chrono::milliseconds(250)
+                                                           : std::chrono::milliseconds(-1));
+      if (event.signal) return on_signal(event.signal);
+      if (event.failure) return on_failure(*event.failure, round);
+      if (auto cause = rounds.requested(round + 1)) {
+        // Another node lost a worker: this node's workers wait on it in
+        // vain, and start again with it.
+        failure_ = *cause;
+        supervisor_.stop(SIGKILL, std::chrono::seconds(0));
+        return 1;
+      }
+    }
+    return 0;
+  }
+
+  int on_failure(const Supervisor::Failure& failure, int round) {
+    failure_ = failure.report ? failure.report->message
+                              : "worker " + std::string(opts_.nnodes > 1 ? "local rank " : "rank ") +
+                                    std::to_string(failure.index) + " (pid " + std::to_string(failure.pid) + ") " +
+                                    describe_status(failure.status) + "; stopping the other workers";
+    // A restart follows unless the restarts are spent: the others' state is
+    // not needed (the restart resumes from the checkpoint), nor their
+    // seconds of finding out who is gone.
+    if (round < opts_.max_restarts)
+      supervisor_.stop(SIGKILL, std::chrono::seconds(0));
+    else
+      supervisor_.stop(SIGTERM, kGracePeriod);
+    return exit_code_of(failure.status);
+  }
+
+  // A signal to the launcher: preemption is passed on, anything else stops
+  // the workers. Returns the exit code.
+  int on_signal(int sig) {
+    interrupted_ = true;
+    if (isatty(STDERR_FILENO)) std::cerr << "\r\033[K";  // rank 0's progress line
+    if (sig == SIGTERM || sig == SIGUSR1) {  // preemption: keep the step the workers are on
+      std::cout << "mnist_ddp: " << (sig == SIGTERM ? "SIGTERM" : "SIGUSR1")
+                << " received: the workers checkpoint the step they are on, then stop" << std::endl;
+      supervisor_.stop(sig, kPreemptionGrace);
+    } else {
+      std::cout << "KeyboardInterrupt received. Terminating processes..." << std::endl;
+      supervisor_.stop(SIGTERM, kGracePeriod);
+    }
+    failure_.clear();
+    return 128 + sig;
+  }
+
+  // Whether a signal came within `ms` milliseconds (handled as on_signal does).
+  bool signalled(int ms) {
+    const auto event = supervisor_.wait(std::chrono::milliseconds(ms));
+    if (!event.signal) return false;
+    on_signal(event.signal);
+    return true;
+  }
+
+  void announce_restart(const std::string& cause, int restart) {
+    if (!workers_.ours) {
+      std::cout << "mnist_ddp: " << cause << "; restart " << restart << " of " << opts_.max_restarts << std::endl;
+      return;
+    }
+    // Every node again, from the newest complete checkpoint (rank 0's, on node 0).
+    const std::string dir = checkpoint_dir(opts_);
+    const std::optional<Checkpoint> at = opts_.node_rank == 0 ? read_manifest(dir) : std::nullopt;
+    std::cout << "mnist_ddp: " << cause << "; restart " << restart << " of " << opts_.max_restarts
+              << (opts_.node_rank > 0 ? std::string(" from node 0's newest checkpoint")
+                  : at ? " from the checkpoint of step " + std::to_string(at->step) + " in " + dir
+                       : std::string(" from the start: no checkpoint yet"))
+              << std::endl;
+  }
+
+  const Options& opts_;
+  const Placement& placement_;
+  const Environment& env_;
+  const Workers workers_;
+  Supervisor supervisor_;
+  c10::intrusive_ptr<c10d::TCPStore> store_;
+  std::string failure_;       // why the workers last failed, for the user
+  bool interrupted_ = false;  // by a signal to the launcher: no restart
+};
+
+}  // namespace
+
+std::unique_ptr<files::DirectoryLock> preflight(const Options& opts) {
+  check_dataset_files(opts.data_dir, opts.dataset);
+  const bool existed = files::is_directory(opts.path);
+  files::make_run_directory(opts.path);
+  auto lock = std::make_unique<files::DirectoryLock>(opts.path, "mnist_ddp launcher of node " +
+                                                                    std::to_string(opts.node_rank));
+  std::cout << "The folder '" << opts.path << "' " << (existed ? "already exists." : "was created.") << std::endl;
+  if (const std::string dir = resume_dir(opts); !dir.empty()) {
+    const Checkpoint c = load_checkpoint(dir);
+    check_resumable(c, opts, dir);
+    Net net;
+    load_state_dict(*net, c.model, "module.", "checkpoint " + dir);
+  }
+  return lock;
+}
+
+int run_launcher(const Options& opts, const Placement& placement, const Environment& env,
+                 const std::vector<std::string>& argv, const sigset_t& original_mask) {
+  Launcher launcher(opts, placement, env, {"/proc/self/exe", argv, true}, original_mask);
+  return launcher.run();
+}
+
+std::string find_program(const std::string& name, const Environment& env) {
+  auto runnable = [](const std::string& path) {
+    struct stat st;
+    return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(path.c_str(), X_OK) == 0;
+  };
+  if (name.find('/') != std::string::npos) {
+    if (!runnable(name)) throw UsageError("run: " + name + " is not an executable file");
+    return name;
+  }
+  const std::string path = env.get("PATH").value_or("/usr/local/bin:/usr/bin:/bin");
+  std::istringstream dirs(path);
+  for (std::string dir; std::getline(dirs, dir, ':');)
+    if (!dir.empty() && runnable(dir + "/" + name)) return dir + "/" + name;
+  throw UsageError("run: " + name + ": no such program on PATH (" + path + ")");
+}
+
+int run_program(const Options& opts, const Placement& placement, const Environment& env,
+                const std::vector<std::string>& program, const sigset_t& original_mask) {
+  Launcher launcher(opts, placement, env, {find_program(program.front(), env), program, false}, original_mask);
+  return launcher.run();
+}
+
+}  // namespace mnist_ddp

@@ -1,0 +1,39 @@
+#include "app/train/preemption.hpp"
+
+#include <signal.h>
+
+#include <atomic>
+
+namespace mnist_ddp {
+namespace {
+
+std::atomic<int> g_preemption_signal{0};
+
+void on_preemption_signal(int sig) { g_preemption_signal = sig; }
+
+}  // namespace
+
+void catch_preemption_signals() {
+  struct sigaction action {};
+  action.sa_handler = on_preemption_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  for (int sig : {SIGTERM, SIGUSR1}) sigaction(sig, &action, nullptr);
+}
+
+int preemption_signal() { return g_preemption_signal; }
+
+int StopVote::after_step() {
+  int agreed = 0;
+  if (votes_.defined()) {
+    group_.quick()->wait(ticket_);
+    const torch::Tensor votes = votes_.cpu();
+    agreed = votes[0].item<double>() > 0 ? SIGTERM : votes[1].item<double>() > 0 ? SIGUSR1 : 0;
+  }
+  const int mine = preemption_signal();
+  votes_ = torch::tensor({mine == SIGTERM ? 1.0 : 0.0, mine == SIGUSR1 ? 1.0 : 0.0}, torch::kFloat64).to(group_.device());
+  ticket_ = group_.quick()->post([votes = votes_](Channel& c) { c.allreduce_sum(votes)->waitAndThrow(); });
+  return agreed;
+}
+
+}  // namespace mnist_ddp

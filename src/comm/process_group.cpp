@@ -1,0 +1,348 @@
+#include "mnist_ddp/comm/process_group.hpp"
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#ifdef MNIST_DDP_WITH_CUDA
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <condition_variable>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+#include "mnist_ddp/base/errors.hpp"
+#include "mnist_ddp/comm/runtime.hpp"
+#include "comm/rendezvous.hpp"
+#include "comm/shared_memory.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+GroupPtr create_group(const StorePtr& store, const std::string& backend, int rank, int world_size,
+                      const std::string& gloo_address, std::chrono::milliseconds timeout) {
+  if (backend == "nccl") {
+#ifdef MNIST_DDP_WITH_CUDA
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world_size, options);
+#else
+    throw UsageError("backend nccl: this build of mnist_ddp has no CUDA (its LibTorch is CPU-only); use gloo");
+#endif
+  }
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(gloo_address));
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, options);
+}
+
+// The rank's group, with the store prefix `name`, behind an ordered stream;
+// with `shared_memory` (every rank on this host), CPU sums go through a
+// SharedMemoryReducer.
+std::shared_ptr<CollectiveStream> make_stream(const StorePtr& store, const std::string& name, const std::string& backend,
+                                              int rank, int world_size, const torch::Device& device,
+                                              const std::string& gloo_address, std::chrono::milliseconds timeout,
+                                              bool shared_memory) {
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
+  GroupPtr group;
+  try {
+    // Bounded as every store request is (store.hpp, "Note on stalls"): the
+    // group meets its peers through the store.
+    group = StoreClient::within(timeout + std::chrono::seconds(5),
+                                "could not form the process group with all " + std::to_string(world_size) +
+                                    " ranks within " + std::to_string(timeout.count() / 1000) +
+                                    " s: the store stopped answering",
+                                [=] {
+                                  use_device(device);  // the helper thread's, as the caller's
+                                  return create_group(prefixed, backend, rank, world_size, gloo_address, timeout);
+                                });
+  } catch (const StoreStalled&) {
+    throw;
+  } catch (const std::exception& e) {
+    try {
+      StoreClient(store, std::chrono::seconds(5), "the store").check({"settings/0"});
+    } catch (const std::exception&) {
+      throw store_lost(e);
+    }
+    throw std::runtime_error("could not form the process group with all " + std::to_string(world_size) +
+                             " ranks within " + std::to_string(timeout.count() / 1000) + " s (" + error_line(e) + ")");
+  }
+  std::unique_ptr<SharedMemoryReducer> shared;
+  if (shared_memory && world_size > 1)
+    shared = std::make_unique<SharedMemoryReducer>(*prefixed, rank, world_size, timeout,
+                                                   [&] { group->barrier()->wait(); });
+  return std::make_shared<CollectiveStream>(group, device, backend == "nccl", std::move(shared));
+}
+
+}  // namespace
+
+// Every rank beats into the store once a second. Its thread may be blocked
+// on a stalled store when the job ends: then it is left to the process's
+// end rather than waited for.
+class Heartbeat {
+ public:
+  Heartbeat(StorePtr store, int rank, std::chrono::milliseconds timeout)
+      : state_(std::make_shared<State>(StoreClient(std::move(store), timeout, "the store"))) {
+    std::thread([state = state_, key = "heartbeat/" + std::to_string(rank)] { beat(*state, key); }).detach();
+  }
+  ~Heartbeat() {
+    std::unique_lock<std::mutex> lock(state_->mutex);
+    state_->stopping = true;
+    state_->cv.notify_all();
+    state_->cv.wait_for(lock, std::chrono::seconds(1), [this] { return state_->stopped; });
+  }
+
+ private:
+  struct State {
+    explicit State(StoreClient c) : client(std::move(c)) {}
+    StoreClient client;
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool stopping = false, stopped = false;
+  };
+
+  static void beat(State& state, const std::string& key) {
+    std::unique_lock<std::mutex> lock(state.mutex);
+    for (int64_t n = 1; !state.stopping; ++n) {
+      lock.unlock();
+      try {
+        state.client.set(key, std::to_string(n));
+      } catch (const std::exception&) {
+        lock.lock();
+        break;  // the store is gone or stalled: someone will say so
+      }
+      lock.lock();
+      state.cv.wait_for(lock, std::chrono::seconds(1), [&] { return state.stopping; });
+    }
+    state.stopped = true;
+    state.cv.notify_all();
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+struct ProcessGroup::State {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string backend = "gloo";
+  torch::Device device = torch::kCPU;
+  std::chrono::milliseconds timeout{300'000};
+  int restart = 0;
+  std::string launcher;
+  std::string gloo_address = "127.0.0.1";
+  bool shared_memory = false;
+  StorePtr store;
+  std::shared_ptr<CollectiveStream> stream, quick;
+  std::shared_ptr<Heartbeat> heartbeat;
+  mutable int streams_made = 0;  // by new_stream(), for their store prefixes
+  mutable int models = 0;        // model_stream()s handed out
+};
+
+int ProcessGroup::rank() const { return state_->rank; }
+int ProcessGroup::world_size() const { return state_->world_size; }
+int ProcessGroup::local_rank() const { return state_->local_rank; }
+int ProcessGroup::local_world_size() const { return state_->local_world_size; }
+const torch::Device& ProcessGroup::device() const { return state_->device; }
+const std::string& ProcessGroup::backend() const { return state_->backend; }
+std::chrono::milliseconds ProcessGroup::timeout() const { return state_->timeout; }
+int ProcessGroup::restart() const { return state_->restart; }
+const std::string& ProcessGroup::launcher() const { return state_->launcher; }
+const std::shared_ptr<CollectiveStream>& ProcessGroup::stream() const { return state_->stream; }
+const std::shared_ptr<CollectiveStream>& ProcessGroup::quick() const { return state_->quick; }
+const StorePtr& ProcessGroup::store() const { return state_->store; }
+
+void ProcessGroup::allreduce_sum(torch::Tensor& tensor) const { state_->stream->allreduce_sum(tensor); }
+void ProcessGroup::broadcast(torch::Tensor& tensor, int root) const { state_->stream->broadcast(tensor, root); }
+void ProcessGroup::barrier() const { state_->stream->barrier(); }
+
+std::shared_ptr<CollectiveStream> ProcessGroup::new_stream() const {
+  const State& s = *state_;
+  if (s.world_size == 1) return s.stream;
+  const std::string name = "stream/" + std::to_string(++s.streams_made);
+  return make_stream(s.store, name, s.backend, s.rank, s.world_size, s.device, s.gloo_address, s.timeout,
+                     s.shared_memory);
+}
+
+std::shared_ptr<CollectiveStream> ProcessGroup::model_stream() const {
+  return state_->models++ == 0 ? state_->stream : new_stream();
+}
+
+std::vector<int> ProcessGroup::silent_ranks() const {
+  const State& s = *state_;
+  const StoreClient client(s.store, std::min<std::chrono::milliseconds>(s.timeout, std::chrono::seconds(5)),
+                           "the store");
+  auto read = [&] {
+    std::vector<std::string> beats(s.world_size);
+    for (int r = 0; r < s.world_size; ++r) {
+      const std::string key = "heartbeat/" + std::to_string(r);
+      if (client.check({key})) beats[r] = client.get(key);
+    }
+    return beats;
+  };
+  std::vector<int> silent;
+  try {
+    const auto before = read();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    const auto after = read();
+    for (int r = 0; r < s.world_size; ++r)
+      if (r != s.rank && before[r] == after[r]) silent.push_back(r);
+  } catch (const StoreStalled&) {
+    // A stalled store says nothing about who is gone.
+  } catch (const std::exception&) {
+    silent = {0};
+  }
+  return silent;
+}
+
+namespace {
+
+std::mutex g_default_mutex;
+std::weak_ptr<ProcessGroup::State> g_default;
+
+ProcessGroup made_default(ProcessGroup group, const std::shared_ptr<ProcessGroup::State>& state) {
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  if (g_default.expired()) g_default = state;
+  return group;
+}
+
+std::shared_ptr<ProcessGroup::State> form(StorePtr store, int rank, int world_size, const std::string& backend,
+                                          torch::Device device, std::chrono::milliseconds timeout,
+                                          bool shared_memory, const std::string& gloo_address) {
+  TORCH_CHECK(backend == "gloo" || backend == "nccl", "backend ", backend, ": expected gloo or nccl");
+  auto s = std::make_shared<ProcessGroup::State>();
+  s->rank = rank;
+  s->world_size = world_size;
+  s->backend = backend;
+  s->device = device;
+  s->timeout = timeout;
+  s->gloo_address = gloo_address;
+  s->store = std::move(store);
+  s->shared_memory = shared_memory && backend == "gloo" && device.is_cpu();
+  s->heartbeat = std::make_shared<Heartbeat>(s->store, rank, timeout);
+  s->stream = make_stream(s->store, "main", backend, rank, world_size, device, gloo_address, timeout,
+                          s->shared_memory);
+  s->quick = backend == "nccl" || world_size == 1
+                 ? s->stream
+                 : make_stream(s->store, "quick", backend, rank, world_size, device, gloo_address, timeout,
+                               s->shared_memory);
+  return s;
+}
+
+bool built_with_nccl() {
+#ifdef MNIST_DDP_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The device a rank takes when it is not told: its launcher's plan, else
+// a GPU of its own where CUDA sees GPUs, else the CPU.
+torch::Device device_for(const WorkerEnv& env, const ProcessGroupOptions& options) {
+  if (options.device()) return *options.device();
+  if (env.ours() && !env.backend.empty()) return cuda_device_or_cpu(env.device);
+  const int gpus = built_with_nccl() ? static_cast<int>(torch::cuda::device_count()) : 0;
+  if (gpus == 0) return torch::kCPU;
+  if (gpus == 1) return cuda_device_or_cpu(0);
+  if (env.local_rank < gpus) return cuda_device_or_cpu(env.local_rank);
+  throw UsageError("local rank " + std::to_string(env.local_rank) + " has no GPU of its own: CUDA sees " +
+                   std::to_string(gpus) + "; start at most " + std::to_string(gpus) +
+                   " processes a machine, or choose each one's device (ProcessGroupOptions().device(...))");
+}
+
+std::string backend_for(const WorkerEnv& env, const ProcessGroupOptions& options, const torch::Device& device) {
+  std::string backend = options.backend();
+  if (backend == "auto") backend = env.ours() && !env.backend.empty() ? env.backend : device.is_cuda() ? "nccl" : "gloo";
+  if (backend != "gloo" && backend != "nccl")
+    throw UsageError("backend '" + backend + "': expected auto, gloo or nccl");
+  if (backend == "nccl" && !device.is_cuda())
+    throw UsageError("backend nccl needs a CUDA device; this rank's is " + device.str() + ": use gloo");
+  if (backend == "nccl" && !built_with_nccl())
+    throw UsageError("backend nccl: this build of mnist_ddp has no CUDA (its LibTorch is CPU-only); use gloo");
+  return backend;
+}
+
+// A process that no launcher we know started as a worker: one that a
+// Kubeflow pod's environment makes a node of one process, else a world of 1.
+std::optional<WorkerEnv> pod_worker(const Environment& environment) {
+  const auto decided = node_decisions(environment);  // throws for a launcher we do not know
+  if (decided.empty()) return std::nullopt;
+  WorkerEnv w;
+  w.launcher = "kubeflow";
+  w.master_addr = "127.0.0.1";
+  for (const auto& [name, value] : decided) {
+    if (name == "nnodes") w.world_size = w.nnodes = std::stoi(value);
+    if (name == "node_rank") w.rank = w.node_rank = std::stoi(value);
+    if (name == "master_addr") w.master_addr = value;
+    if (name == "master_port") w.master_port = std::stoi(value);
+    if (name == "nproc" && value != "1")
+      throw UsageError("environment: PET_NPROC_PER_NODE=" + value + " asks for " + value +
+                       " processes in this pod, and a program does not start its own: run it under torchrun, or "
+                       "mnist_ddp run --nproc " + value + " -- PROGRAM ARGS");
+  }
+  if (w.rank >= w.world_size)
+    throw UsageError("environment: PET_NODE_RANK=" + std::to_string(w.rank) + " is not below PET_NNODES=" +
+                     std::to_string(w.world_size));
+  if (w.master_port <= 0)
+    throw UsageError("environment: a Kubeflow pod of several nodes needs PET_MASTER_PORT (or MASTER_PORT)");
+  return w;
+}
+
+}  // namespace
+
+ProcessGroup make_process_group(StorePtr store, int rank, int world_size, const std::string& backend,
+                                torch::Device device, std::chrono::milliseconds timeout, bool shared_memory,
+                                const std::string& gloo_address) {
+  return ProcessGroup(form(std::move(store), rank, world_size, backend, device, timeout, shared_memory, gloo_address));
+}
+
+ProcessGroup init_process_group(const WorkerEnv& launched, const ProcessGroupOptions& options) {
+  WorkerEnv env = launched;
+  resolve_store_address(env, options.master_addr(), !options.master_addr().empty(), options.master_port(),
+                        options.master_port() > 0);
+  const torch::Device device = device_for(env, options);
+  const std::string backend = backend_for(env, options, device);
+  const auto timeout = options.timeout();
+  use_device(device);
+  const auto [store, restart] = open_job_store(env, timeout);
+  const StoreClient client(store, timeout,
+                           "the rendezvous store at " + env.master_addr + ":" + std::to_string(env.master_port));
+  const auto [rank, world_size] = env.rank < 0 ? agree_on_ranks(client, env, timeout)
+                                               : std::pair<int, int>{env.rank, env.world_size};
+  check_settings(client, rank, world_size, options.settings(), timeout);
+  // A CPU job on one host sums through shared memory (shared_memory.hpp).
+  const bool one_host = world_size == env.local_world_size;
+  auto state = form(store, rank, world_size, backend, device, timeout, one_host, local_address_towards(env.master_addr));
+  state->restart = restart;
+  state->local_rank = env.local_rank;
+  state->local_world_size = env.local_world_size;
+  state->launcher = env.launcher;
+  ProcessGroup group(state);
+  return made_default(group, state);
+}
+
+ProcessGroup init_process_group(const ProcessGroupOptions& options) {
+  const Environment environment = read_environment();
+  std::optional<WorkerEnv> worker = launched_worker(environment);
+  if (!worker) worker = pod_worker(environment);
+  if (worker) return init_process_group(*worker, options);
+  // Alone: a world of 1, over a store of its own.
+  WorkerEnv alone;
+  alone.rank = 0;
+  alone.world_size = 1;
+  const torch::Device device = device_for(alone, options);
+  auto state = form(c10::make_intrusive<c10d::HashStore>(), 0, 1, backend_for(alone, options, device), device,
+                    options.timeout(), false, "127.0.0.1");
+  ProcessGroup group(state);
+  return made_default(group, state);
+}
+
+std::optional<ProcessGroup> default_process_group() {
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  if (auto state = g_default.lock()) return ProcessGroup(state);
+  return std::nullopt;
+}
+
+}  // namespace mnist_ddp

@@ -1,0 +1,38 @@
+// The rendezvous: how the ranks of a job meet in its store before they
+// form their groups (process_group.hpp). Private to the library.
+#pragma once
+
+#include <chrono>
+#include <exception>
+#include <string>
+#include <utility>
+
+#include "mnist_ddp/base/environment.hpp"
+#include "mnist_ddp/base/errors.hpp"
+#include "mnist_ddp/comm/process_group.hpp"
+#include "mnist_ddp/comm/store.hpp"
+
+namespace mnist_ddp {
+
+// What a rank says when the store stops answering: its host stopped, and
+// whoever stopped it says why.
+PeerLost store_lost(const std::exception& e);
+
+// The local address that packets to `host` leave from: Gloo listens there,
+// so peers on other machines can reach it. Loopback for a single-node job.
+std::string local_address_towards(const std::string& host);
+
+// The store the workers of this start meet in, and which start of the job
+// it is (see rendezvous.cpp, "Note on torchrun's restarts").
+std::pair<StorePtr, int> open_job_store(const WorkerEnv& env, std::chrono::milliseconds timeout);
+
+// This rank's place among the nodes' workers when the launcher left it
+// open. Returns (rank, world size).
+std::pair<int, int> agree_on_ranks(const StoreClient& store, const WorkerEnv& env, std::chrono::milliseconds timeout);
+
+// Rank 0 checks everyone's settings, everyone checks rank 0's: a
+// difference is one error naming the setting and both values.
+void check_settings(const StoreClient& store, int rank, int world_size, const Settings& settings,
+                    std::chrono::milliseconds timeout);
+
+}  // namespace mnist_ddp

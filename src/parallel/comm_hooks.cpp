@@ -1,0 +1,446 @@
+#include "mnist_ddp/parallel/comm_hooks.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <functional>
+#include <limits>
+
+#include "parallel/exact_math.hpp"
+
+namespace mnist_ddp {
+
+torch::Tensor exact_row_sum(const torch::Tensor& a) {
+  torch::Tensor rows = a;
+  if (rows.size(0) == 0) return torch::zeros({a.size(1)}, a.options());
+  while (rows.size(0) > 1) {
+    const int64_t n = rows.size(0), half = n / 2;
+    torch::Tensor sums = rows.slice(0, 0, half) + rows.slice(0, half, 2 * half);
+    rows = n % 2 ? torch::cat({sums, rows.slice(0, n - 1, n)}) : sums;
+  }
+  return rows[0];
+}
+
+namespace {
+
+// exact_outer_product on the CPU in one pass over `out`, row by row, with
+// the same roundings as the tensor ops below: each product rounded, then
+// added in order. A fused multiply-add would round once and break that
+// (and agreement with ranks on a GPU), so the compiler may not contract.
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void outer_product_rows(float* out, const float* p, const float* q_t, int64_t n, int64_t m, int64_t r) {
+  for (int64_t i = 0; i < n; ++i, out += m) {
+    const float first = p[i * r];
+    for (int64_t j = 0; j < m; ++j) out[j] = first * q_t[j];
+    for (int64_t k = 1; k < r; ++k) {
+      const float pk = p[i * r + k];
+      const float* qk = q_t + k * m;
+      for (int64_t j = 0; j < m; ++j) {
+        const float product = pk * qk[j];
+        out[j] = out[j] + product;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void exact_outer_product(torch::Tensor out, const torch::Tensor& p, const torch::Tensor& q) {
+  if (out.is_cpu() && out.scalar_type() == torch::kFloat32 && out.is_contiguous()) {
+    const auto p_rows = p.contiguous(), q_t = q.t().contiguous();
+    outer_product_rows(out.data_ptr<float>(), p_rows.data_ptr<float>(), q_t.data_ptr<float>(), out.size(0),
+                       out.size(1), p.size(1));
+    return;
+  }
+  torch::mul_out(out, p.narrow(1, 0, 1), q.narrow(1, 0, 1).t());
+  for (int64_t k = 1; k < p.size(1); ++k) out.add_(p.narrow(1, k, 1) * q.narrow(1, k, 1).t());
+}
+
+void orthogonalize(torch::Tensor& matrix, double epsilon, Sums sums) {
+  auto row_sum = [sums](const torch::Tensor& a) { return sums == Sums::kExact ? exact_row_sum(a) : a.sum(0); };
+  const int64_t cols = matrix.size(1);
+  for (int64_t i = 0; i < cols; ++i) {
+    auto col = matrix.narrow(1, i, 1);
+    auto norm = row_sum(col * col).sqrt_();
+    if (epsilon == 0) {
+      norm.clamp_min_(std::numeric_limits<float>::min());  // a zero column stays zero, never NaN
+    } else {
+      norm.add_(epsilon);
+    }
+    col.div_(norm);
+    if (i + 1 < cols) {
+      auto rest = matrix.narrow(1, i + 1, cols - i - 1);
+      rest.sub_(col * row_sum(col * rest));
+    }
+  }
+}
+
+}  // namespace mnist_ddp
+
+namespace mnist_ddp::hooks {
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Draws Gaussian values into `q` from `seed` on the CPU, whatever q's device,
+// so every rank draws the same numbers.
+void fill_gaussian(torch::Tensor& q, uint64_t seed) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  q.copy_(torch::randn(q.sizes(), gen, q.options().device(torch::kCPU)));
+}
+
+// The tensor stored under `key`, moved to `device` (a loaded state lives on the CPU).
+torch::Tensor& on_device(std::map<size_t, torch::Tensor>& memory, size_t key, const torch::Device& device) {
+  torch::Tensor& t = memory.at(key);
+  if (t.device() != device) t = t.to(device);
+  return t;
+}
+
+// The error that `bucket` carries, a zero tensor shaped like `like` at first.
+torch::Tensor& carried_error(PowerSgdState& state, size_t bucket, const torch::Tensor& like) {
+  auto it = state.error.find(bucket);
+  if (it == state.error.end()) return state.error[bucket] = torch::zeros_like(like);
+  TORCH_CHECK(it->second.numel() == like.numel(), "PowerSGD: the saved error of bucket ", bucket, " has ",
+              it->second.numel(), " elements, the bucket ", like.numel(), " (a different model or bucket layout?)");
+  return on_device(state.error, bucket, like.device());
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> same_layout(const GradBucket& bucket, const torch::Tensor& flat) {
+  std::vector<torch::Tensor> views;
+  int64_t at = 0;
+  for (const auto& g : bucket.gradients) {
+    views.push_back(flat.slice(0, at, at + g.numel()).view(g.sizes()));
+    at += g.numel();
+  }
+  return views;
+}
+
+torch::Tensor future_tensor(const FuturePtr& future) {
+  const c10::IValue& value = future->value();  // rethrows the future's error
+  if (value.isTensor()) return value.toTensor();
+  if (value.isTensorList() && value.toTensorList().size() == 1) return value.toTensorList().get(0);
+  TORCH_CHECK(false, "a communication hook's future must hold one tensor, got ", value.tagKind());
+}
+
+FuturePtr Wire::allreduce_mean(torch::Tensor tensor) {
+  tensor.div_(world_size());
+  return allreduce_sum(tensor);
+}
+
+FuturePtr GroupWire::allreduce_sum(torch::Tensor tensor) {
+  stats_.elements += tensor.numel();
+  stats_.bytes += tensor.numel() * static_cast<int64_t>(tensor.element_size());
+  return channel_.allreduce_sum(tensor);
+}
+
+FuturePtr CastWire::allreduce_sum(torch::Tensor tensor) {
+  torch::Tensor low = tensor.to(type_);
+  return below_.allreduce_sum(low)->then(
+      [tensor, low](c10::ivalue::Future& sent) {
+        sent.value();  // rethrows a failed collective
+        tensor.copy_(low);
+        return c10::IValue(tensor);
+      },
+      c10::TensorType::get());
+}
+
+FuturePtr CastWire::allreduce_mean(torch::Tensor tensor) {
+  tensor.div_(world_size());  // before the cast, so the sum cannot overflow; the result replaces it anyway
+  return allreduce_sum(tensor);
+}
+
+FuturePtr AllreduceHook::run(GradBucket& bucket, Wire& wire) { return wire.allreduce_mean(bucket.buffer); }
+
+CompressWrapper::CompressWrapper(CommHookPtr inner, c10::ScalarType type) : inner_(std::move(inner)), type_(type) {
+  TORCH_CHECK(inner_, "a compression wrapper needs a hook to wrap");
+  TORCH_CHECK(type == torch::kHalf || type == torch::kBFloat16, "a compression wrapper sends float16 or bfloat16");
+}
+
+std::string CompressWrapper::name() const {
+  const std::string suffix = type_ == torch::kHalf ? "fp16" : "bf16";
+  return inner_->name() == "none" ? suffix : inner_->name() + "_" + suffix;
+}
+
+FuturePtr CompressWrapper::run(GradBucket& bucket, Wire& wire) {
+  CastWire low(wire, type_);
+  FuturePtr result = inner_->run(bucket, low);
+  result->waitAndThrow();  // `low` lives in this frame
+  return result;
+}
+
+CommHookPtr allreduce() { return std::make_shared<AllreduceHook>(); }
+CommHookPtr fp16_compress() { return fp16_compress_wrapper(allreduce()); }
+CommHookPtr bf16_compress() { return bf16_compress_wrapper(allreduce()); }
+CommHookPtr fp16_compress_wrapper(CommHookPtr hook) { return std::make_shared<CompressWrapper>(std::move(hook), torch::kHalf); }
+CommHookPtr bf16_compress_wrapper(CommHookPtr hook) {
+  return std::make_shared<CompressWrapper>(std::move(hook), torch::kBFloat16);
+}
+std::shared_ptr<PowerSgdHook> powersgd(const PowerSgdOptions& options) { return std::make_shared<PowerSgdHook>(options); }
+std::shared_ptr<BatchedPowerSgdHook> batched_powersgd(const PowerSgdOptions& options) {
+  return std::make_shared<BatchedPowerSgdHook>(options);
+}
+
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive, const CommHook& hook) {
+  const HookState state = hook.state();
+  auto dict_of = [](const std::map<std::string, torch::Tensor>& from) {
+    c10::Dict<std::string, torch::Tensor> dict;
+    for (const auto& [key, t] : from) dict.insert(key, t.detach().cpu());
+    return dict;
+  };
+  archive.write("hook", c10::IValue(hook.name()));
+  archive.write("shared", c10::IValue(dict_of(state.shared)));
+  archive.write("own", c10::IValue(dict_of(state.own)));
+  return archive;
+}
+
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, CommHook& hook) {
+  c10::IValue name, shared, own;
+  archive.read("hook", name);
+  TORCH_CHECK(name.isString() && name.toStringRef() == hook.name(), "the saved hook state is ",
+              name.isString() ? name.toStringRef() : std::string("not a hook's"), "'s, this hook is ", hook.name());
+  archive.read("shared", shared);
+  archive.read("own", own);
+  HookState state;
+  auto read = [](const c10::IValue& from, std::map<std::string, torch::Tensor>& to) {
+    for (const auto& item : from.toGenericDict()) to[item.key().toStringRef()] = item.value().toTensor();
+  };
+  read(shared, state.shared);
+  read(own, state.own);
+  hook.load_state(state);
+  return archive;
+}
+
+// Note on error feedback: each rank compresses M = its gradient + the error
+// it carries, and keeps as its new error M minus what all ranks agreed on.
+// The errors then sum to zero over ranks wherever nothing was lost, and the
+// sum of applied updates plus the mean error equals the sum of the true
+// averaged gradients. M is built in the error's own buffer (error += g, and
+// later error -= result), which saves PyTorch's copy of the bucket.
+
+FuturePtr PowerSgdBase::run(GradBucket& bucket, Wire& wire) {
+  FuturePtr result;
+  if (compression_started()) {
+    compress(bucket, wire);
+    result = completed_future(bucket.buffer);
+  } else {
+    result = wire.allreduce_mean(bucket.buffer);
+  }
+  if (bucket.is_last) ++state_.iter;
+  return result;
+}
+
+bool PowerSgdBase::compression_started() const { return state_.iter >= options_.start_powersgd_iter(); }
+
+uint64_t PowerSgdBase::next_seed() { return splitmix64(options_.random_seed() + state_.draws++); }
+
+namespace {
+
+// "<what>/<bucket>" entries of `from` into `to`, by bucket index.
+void by_bucket(const std::map<std::string, torch::Tensor>& from, const std::string& what,
+               std::map<size_t, torch::Tensor>& to) {
+  for (const auto& [key, t] : from) {
+    if (key.compare(0, what.size() + 1, what + "/") != 0) continue;
+    const std::string digits = key.substr(what.size() + 1);
+    TORCH_CHECK(!digits.empty() && digits.size() < 10 &&
+                    std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c); }),
+                "PowerSGD state: '", key, "' names no bucket");
+    to[static_cast<size_t>(std::stoul(digits))] = t.detach().clone();
+  }
+}
+
+}  // namespace
+
+HookState PowerSgdBase::state() const {
+  HookState s;
+  s.shared["iter"] = torch::tensor(state_.iter, torch::kInt64);
+  s.shared["draws"] = torch::tensor(static_cast<int64_t>(state_.draws), torch::kInt64);
+  for (const auto& [b, t] : state_.p_memory) s.shared["p/" + std::to_string(b)] = t.detach().cpu().clone();
+  for (const auto& [b, t] : state_.q_memory) s.shared["q/" + std::to_string(b)] = t.detach().cpu().clone();
+  for (const auto& [b, t] : state_.error) s.own["error/" + std::to_string(b)] = t.detach().cpu().clone();
+  return s;
+}
+
+void PowerSgdBase::load_state(const HookState& s) {
+  for (const char* key : {"iter", "draws"})
+    TORCH_CHECK(s.shared.count(key) && s.shared.at(key).numel() == 1, "PowerSGD state: no '", key,
+                "' (the state of another hook?)");
+  for (const auto& [key, t] : s.shared)
+    TORCH_CHECK(key == "iter" || key == "draws" || key.rfind("p/", 0) == 0 || key.rfind("q/", 0) == 0,
+                "PowerSGD state: '", key, "' is not PowerSGD's");
+  for (const auto& [key, t] : s.own) TORCH_CHECK(key.rfind("error/", 0) == 0, "PowerSGD state: '", key, "' is not PowerSGD's");
+  PowerSgdState loaded;
+  loaded.iter = s.shared.at("iter").item<int64_t>();
+  loaded.draws = static_cast<uint64_t>(s.shared.at("draws").item<int64_t>());
+  by_bucket(s.shared, "p", loaded.p_memory);
+  by_bucket(s.shared, "q", loaded.q_memory);
+  by_bucket(s.own, "error", loaded.error);
+  state_ = std::move(loaded);
+}
+
+namespace {
+
+// The P and Q memories of bucket `b`, of `p_size` and `q_size` elements: the
+// ones kept from the step before when warm-starting, else fresh, with Q
+// drawn from the next seed (the same on every rank).
+std::pair<torch::Tensor, torch::Tensor> memories(PowerSgdState& st, bool warm_start,
+                                                 const std::function<uint64_t()>& next_seed, size_t b,
+                                                 int64_t p_size, int64_t q_size, const torch::TensorOptions& options) {
+  if (!warm_start || !st.p_memory.count(b)) {
+    st.p_memory[b] = torch::empty({p_size}, options);
+    st.q_memory[b] = torch::empty({q_size}, options);
+    fill_gaussian(st.q_memory[b], next_seed());
+  }
+  // A loaded memory may be shaped as the matrix it holds: the elements count.
+  torch::Tensor& p = on_device(st.p_memory, b, options.device());
+  torch::Tensor& q = on_device(st.q_memory, b, options.device());
+  TORCH_CHECK(p.numel() == p_size && q.numel() == q_size, "PowerSGD: the saved P/Q of bucket ", b,
+              " do not fit its gradients");
+  p = p.reshape({p_size});
+  q = q.reshape({q_size});
+  return {p, q};
+}
+
+// Note on the power iteration. One pass for all of a bucket's compressed
+// matrices M_i [n_i, m_i], with P_i [n_i, r_i] and Q_i [m_i, r_i] laid one
+// after another in the flat `p` and `q`: orthogonalise each Q_i, P_i = M_i
+// Q_i, average every P in one allreduce, orthogonalise each P_i, Q_i =
+// M_i^T P_i, average every Q in one allreduce, and write M_i ~ P_i Q_i^T
+// into results[i] (exact math). P is orthonormalised after its allreduce,
+// so its scale is irrelevant: averaging instead of PyTorch's sum keeps
+// float16 sums finite.
+void power_iteration(const std::vector<torch::Tensor>& matrices, const std::vector<int64_t>& ranks,
+                     const std::vector<torch::Tensor>& results, torch::Tensor& p, torch::Tensor& q, Wire& wire,
+                     double epsilon) {
+  std::vector<torch::Tensor> ps, qs;
+  for (size_t i = 0, p_at = 0, q_at = 0; i < matrices.size(); ++i) {
+    const int64_t n = matrices[i].size(0), m = matrices[i].size(1), r = ranks[i];
+    ps.push_back(p.slice(0, p_at, p_at + n * r).view({n, r}));
+    qs.push_back(q.slice(0, q_at, q_at + m * r).view({m, r}));
+    p_at += n * r;
+    q_at += m * r;
+  }
+  for (auto& qi : qs) orthogonalize(qi, epsilon, Sums::kFast);
+  for (size_t i = 0; i < matrices.size(); ++i) torch::mm_out(ps[i], matrices[i], qs[i]);
+  wire.allreduce_mean(p)->waitAndThrow();
+  for (auto& pi : ps) orthogonalize(pi, epsilon);
+  for (size_t i = 0; i < matrices.size(); ++i) torch::mm_out(qs[i], matrices[i].t(), ps[i]);
+  wire.allreduce_mean(q)->waitAndThrow();
+  for (size_t i = 0; i < matrices.size(); ++i) exact_outer_product(results[i], ps[i], qs[i]);
+}
+
+// After a step without warm start, the next draws a fresh Q.
+void forget_unless_warm(PowerSgdState& st, bool warm_start, size_t b) {
+  if (warm_start) return;
+  st.p_memory.erase(b);
+  st.q_memory.erase(b);
+}
+
+}  // namespace
+
+void PowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
+  PowerSgdState& st = state_;
+  const std::function<uint64_t()> seed = [this] { return next_seed(); };
+  const PowerSgdOptions& opt = options_;
+  torch::Tensor& input = bucket.buffer;
+  const size_t b = bucket.index;
+  torch::Tensor error;
+  std::vector<torch::Tensor> sources = bucket.gradients;  // what to compress: the views of M
+  if (opt.use_error_feedback()) {
+    error = carried_error(st, b, input);
+    error.add_(input);
+    sources = same_layout(bucket, error);
+  }
+
+  // Which gradients to compress: those where P and Q are worth it.
+  std::vector<torch::Tensor> matrices, results, uncompressed, destinations;
+  std::vector<int64_t> ranks;
+  int64_t p_size = 0, q_size = 0;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const auto& g = bucket.gradients[i];
+    const int64_t n = g.dim() ? g.size(0) : 1;
+    const int64_t m = g.numel() / n;
+    const int64_t r = std::min<int64_t>({n, m, opt.matrix_approximation_rank()});
+    if (static_cast<double>((n + m) * r) * opt.min_compression_rate() < static_cast<double>(n * m)) {
+      matrices.push_back(sources[i].reshape({n, m}));
+      results.push_back(g.reshape({n, m}));
+      ranks.push_back(r);
+      p_size += n * r;
+      q_size += m * r;
+    } else {
+      uncompressed.push_back(sources[i]);
+      destinations.push_back(g);
+    }
+  }
+
+  // Uncompressed gradients: one allreduce, in flight while P is computed.
+  torch::Tensor flat;
+  FuturePtr flat_done;
+  if (!uncompressed.empty()) {
+    std::vector<torch::Tensor> parts;
+    for (const auto& g : uncompressed) parts.push_back(g.reshape(-1));
+    flat = torch::cat(parts);
+    flat_done = wire.allreduce_mean(flat);
+  }
+
+  if (!matrices.empty()) {
+    auto [p, q] = memories(st, opt.warm_start(), seed, b, p_size, q_size, input.options());
+    power_iteration(matrices, ranks, results, p, q, wire, opt.orthogonalization_epsilon());
+    forget_unless_warm(st, opt.warm_start(), b);
+  }
+
+  if (flat_done) {
+    flat_done->waitAndThrow();
+    int64_t at = 0;
+    for (auto& g : destinations) {
+      g.copy_(flat.slice(0, at, at + g.numel()).view_as(g));
+      at += g.numel();
+    }
+  }
+  if (opt.use_error_feedback()) error.sub_(input);
+  elements_before_ += input.numel();
+  elements_after_ += p_size + q_size + (flat.defined() ? flat.numel() : 0);
+}
+
+void BatchedPowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
+  PowerSgdState& st = state_;
+  const std::function<uint64_t()> seed = [this] { return next_seed(); };
+  const PowerSgdOptions& opt = options_;
+  torch::Tensor& input = bucket.buffer;
+  const size_t b = bucket.index;
+  const int64_t total = input.numel();
+  auto side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(total))));
+  while (side * side < total) ++side;
+  while (side > 1 && (side - 1) * (side - 1) >= total) --side;
+  const int64_t r = std::min<int64_t>(opt.matrix_approximation_rank(), side);
+
+  // M: the bucket zero-padded to side x side, plus the carried error.
+  torch::Tensor padded, error;
+  if (opt.use_error_feedback()) {
+    error = carried_error(st, b, input.new_empty({side * side}));
+    error.slice(0, 0, total).add_(input);
+    padded = error;
+  } else {
+    padded = torch::zeros({side * side}, input.options());
+    padded.slice(0, 0, total).copy_(input);
+  }
+  torch::Tensor result = torch::empty({side, side}, input.options());
+  auto [p, q] = memories(st, opt.warm_start(), seed, b, side * r, side * r, input.options());
+  elements_before_ += total;
+  elements_after_ += 2 * side * r;
+  power_iteration({padded.view({side, side})}, {r}, {result}, p, q, wire, opt.orthogonalization_epsilon());
+  forget_unless_warm(st, opt.warm_start(), b);
+  result = result.view(-1);
+  if (opt.use_error_feedback()) error.sub_(result);
+  input.copy_(result.slice(0, 0, total));
+}
+
+}  // namespace mnist_ddp::hooks

@@ -1,0 +1,536 @@
+// The library as a LibTorch program uses it, on models that are not Net.
+// The oracle is one process on the concatenated batch: every rank's
+// averaged gradients must equal its gradients, and the replicas stay
+// bit-identical across ranks.
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include <mutex>
+#include <sstream>
+
+#include "mnist_ddp/ddp.hpp"
+#include "test_util.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+using test::max_abs_diff;
+using test::run_ranks;
+
+constexpr int kWorld = 2;
+
+// Per-rank slices of a tensor whose first dimension is kWorld * n.
+torch::Tensor shard(const torch::Tensor& t, int rank) {
+  const int64_t n = t.size(0) / kWorld;
+  return t.slice(0, rank * n, (rank + 1) * n);
+}
+
+// Models built serially, from one seed each: ranks as threads share LibTorch's
+// default generator. Every rank starts elsewhere (seed + rank): DDP must
+// broadcast rank 0's state.
+template <typename Model>
+std::vector<std::shared_ptr<Model>> replicas(uint64_t seed) {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  std::vector<std::shared_ptr<Model>> out;
+  for (int r = 0; r <= kWorld; ++r) {  // the last one is the oracle, built as rank 0's
+    torch::manual_seed(r < kWorld ? seed + r : seed);
+    out.push_back(std::make_shared<Model>());
+  }
+  return out;
+}
+
+// Every parameter's gradient (undefined ones as an empty tensor) and value, cloned.
+struct Snapshot {
+  std::vector<torch::Tensor> grads, values;
+};
+Snapshot snapshot(torch::nn::Module& m) {
+  Snapshot s;
+  for (const auto& p : m.parameters()) {
+    s.grads.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+    s.values.push_back(p.detach().clone());
+  }
+  return s;
+}
+
+// Each rank's snapshot equals the oracle's within `tolerance`, and rank 0's bit for bit.
+void expect_oracle(const std::vector<Snapshot>& ranks, const Snapshot& oracle, double tolerance = 1e-5) {
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ASSERT_EQ(ranks[r].grads.size(), oracle.grads.size());
+    for (size_t i = 0; i < oracle.grads.size(); ++i) {
+      EXPECT_EQ(ranks[r].grads[i].defined(), oracle.grads[i].defined()) << "rank " << r << " parameter " << i;
+      if (oracle.grads[i].defined() && ranks[r].grads[i].defined()) {
+        EXPECT_LE(max_abs_diff(ranks[r].grads[i], oracle.grads[i]), tolerance) << "rank " << r << " parameter " << i;
+      }
+      EXPECT_LE(max_abs_diff(ranks[r].values[i], oracle.values[i]), tolerance) << "rank " << r << " parameter " << i;
+      EXPECT_TRUE(torch::equal(ranks[r].values[i], ranks[0].values[i])) << "replica " << r << " parameter " << i;
+    }
+  }
+}
+
+// A layer over a weight another module owns too.
+struct TiedImpl : torch::nn::Module {
+  explicit TiedImpl(const torch::Tensor& w) { weight = register_parameter("weight", w); }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::matmul(x, weight.t()); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(Tied);
+
+// Two inputs and two outputs; a head called twice in one forward; a weight
+// tied between two modules; a frozen parameter.
+struct TwoWayImpl : torch::nn::Module {
+  TwoWayImpl() {
+    a = register_module("a", torch::nn::Linear(4, 3));
+    b = register_module("b", torch::nn::Linear(5, 3));
+    head = register_module("head", torch::nn::Linear(3, 2));
+    tied = register_module("tied", Tied(head->weight));  // the same tensor, registered twice
+    frozen = register_parameter("frozen", torch::randn({2}), /*requires_grad=*/false);
+  }
+  std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& x, const torch::Tensor& y) {
+    const auto hx = torch::relu(a(x)), hy = torch::relu(b(y));
+    return {head(hx) + frozen, head(hy) * tied(hx)};
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr}, head{nullptr};
+  Tied tied{nullptr};
+  torch::Tensor frozen;
+};
+TORCH_MODULE(TwoWay);
+
+torch::Tensor two_way_loss(const std::tuple<torch::Tensor, torch::Tensor>& out) {
+  return std::get<0>(out).pow(2).mean() + std::get<1>(out).mean();
+}
+
+TEST(Library, SeveralInputsAndOutputsTiedFrozenAndTwiceCalledParametersMatchTheOracle) {
+  auto models = replicas<TwoWayImpl>(11);
+  torch::manual_seed(12);
+  const auto x = torch::randn({8, 4}), y = torch::randn({8, 5});
+  std::vector<Snapshot> got(kWorld);
+  run_ranks(kWorld, [&](ProcessGroup& group) {
+    auto model = models[group.rank()];
+    DistributedDataParallel ddp(model, group, DdpOptions().bucket_cap_mb(1e-6));  // a bucket a parameter
+    EXPECT_EQ(ddp.reducer().buckets().size(), 6u) << "a, b and head, two each: the tied one once, the frozen one never";
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    for (int step = 0; step < 2; ++step) {
+      opt.zero_grad();
+      two_way_loss(ddp.forward(shard(x, group.rank()), shard(y, group.rank()))).backward();
+      if (step == 0) got[group.rank()] = snapshot(*model);  // the first step's gradients
+      opt.step();
+    }
+    got[group.rank()].values = snapshot(*model).values;
+  });
+  auto oracle = models.back();
+  torch::optim::SGD opt(oracle->parameters(), 0.1);
+  Snapshot expected;
+  for (int step = 0; step < 2; ++step) {
+    opt.zero_grad();
+    two_way_loss(oracle->forward(x, y)).backward();
+    if (step == 0) expected = snapshot(*oracle);
+    opt.step();
+  }
+  expected.values = snapshot(*oracle).values;
+  expect_oracle(got, expected);
+}
+
+// A branch each rank takes or not: `extra` is used where `use` says.
+struct BranchImpl : torch::nn::Module {
+  BranchImpl() {
+    main = register_module("main", torch::nn::Linear(4, 2));
+    extra = register_module("extra", torch::nn::Linear(4, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool use) { return use ? main(x) + extra(x) : main(x); }
+  torch::nn::Linear main{nullptr}, extra{nullptr};
+};
+TORCH_MODULE(Branch);
+
+TEST(Library, AParameterUnusedOnSomeRanksIsAveragedWithZerosAndOneUnusedEverywhereKeepsItsGradient) {
+  auto models = replicas<BranchImpl>(21);
+  torch::manual_seed(22);
+  const auto x = torch::randn({6, 4});
+  std::vector<Snapshot> first(kWorld), second(kWorld);
+  std::vector<std::string> kept(kWorld);
+  run_ranks(kWorld, [&](ProcessGroup& group) {
+    auto model = models[group.rank()];
+    DistributedDataParallel ddp(model, group, DdpOptions().find_unused_parameters(true));
+    // Step 1: only rank 0 uses `extra`.
+    ddp.forward(shard(x, group.rank()), group.rank() == 0).pow(2).mean().backward();
+    first[group.rank()] = snapshot(*model);
+    // Step 2: nobody uses it; its gradient stays what it was (here: a
+    // marker), and an undefined one stays undefined.
+    model->extra->weight.mutable_grad() = torch::full({2, 4}, 7.0f);
+    model->extra->bias.mutable_grad() = torch::Tensor();
+    model->main->weight.mutable_grad().zero_();
+    model->main->bias.mutable_grad().zero_();
+    ddp.forward(shard(x, group.rank()), false).pow(2).mean().backward();
+    second[group.rank()] = snapshot(*model);
+    std::ostringstream s;
+    s << model->extra->weight.grad().mean().item<float>() << " " << model->extra->bias.grad().defined();
+    kept[group.rank()] = s.str();
+  });
+  // The oracle: the mean of both ranks' losses, rank 1's without `extra`.
+  auto oracle = models.back();
+  ((oracle->forward(shard(x, 0), true).pow(2).mean() + oracle->forward(shard(x, 1), false).pow(2).mean()) / 2)
+      .backward();
+  expect_oracle(first, snapshot(*oracle));
+  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(kept[r], "7 0") << "rank " << r;
+  oracle->zero_grad();
+  ((oracle->forward(shard(x, 0), false).pow(2).mean() + oracle->forward(shard(x, 1), false).pow(2).mean()) / 2)
+      .backward();
+  const Snapshot expected = snapshot(*oracle);
+  for (int r = 0; r < kWorld; ++r)
+    for (size_t i : {0, 1}) EXPECT_LE(max_abs_diff(second[r].grads[i], expected.grads[i]), 1e-6) << r;  // main's
+}
+
+TEST(Library, WithoutFindUnusedParametersAnUnusedOneIsNamedAndNoRankHangs) {
+  auto models = replicas<BranchImpl>(23);
+  std::vector<std::string> errors(kWorld);
+  run_ranks(kWorld, [&](ProcessGroup& group) {
+    DistributedDataParallel ddp(models[group.rank()], group);
+    try {  // rank 1 leaves `extra` out; rank 0 must still finish its step
+      ddp.forward(torch::ones({3, 4}), group.rank() == 0).sum().backward();
+      errors[group.rank()] = "(none)";
+    } catch (const std::exception& e) {
+      errors[group.rank()] = e.what();
+    }
+  });
+  EXPECT_EQ(errors[0], "(none)");
+  EXPECT_NE(errors[1].find("extra.weight extra.bias"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[1].find("find_unused_parameters(true)"), std::string::npos) << errors[1];
+  EXPECT_EQ(errors[1].find('\n'), std::string::npos) << "one line";
+}
+
+// PyTorch's bug pytorch#69031: a parameter used in an early micro-batch but
+// not the last must still be averaged.
+TEST(Library, NoSyncOverMicroBatchesEqualsOneStepOnTheirConcatenation) {
+  auto models = replicas<BranchImpl>(31);
+  torch::manual_seed(32);
+  const int k = 3;
+  std::vector<torch::Tensor> micro;
+  for (int j = 0; j < k; ++j) micro.push_back(torch::randn({4, 4}));
+  std::vector<Snapshot> got(kWorld);
+  for (bool find_unused : {false, true}) {
+    run_ranks(kWorld, [&](ProcessGroup& group) {
+      auto model = models[group.rank()];
+      model->zero_grad();
+      DistributedDataParallel ddp(model, group, DdpOptions().find_unused_parameters(find_unused));
+      const int64_t before = ddp.reducer().wire().bytes;
+      for (int j = 0; j < k - 1; ++j) {
+        auto guard = ddp.no_sync();
+        ddp.forward(shard(micro[j], group.rank()), find_unused || true).pow(2).mean().backward();
+      }
+      EXPECT_EQ(ddp.reducer().wire().bytes, before) << "no_sync sent something";
+      // The last micro-batch leaves `extra` out where that is allowed.
+      ddp.forward(shard(micro[k - 1], group.rank()), !find_unused).pow(2).mean().backward();
+      EXPECT_GT(ddp.reducer().wire().bytes, before);
+      got[group.rank()] = snapshot(*model);
+    });
+    auto oracle = models.back();
+    oracle->zero_grad();
+    for (int j = 0; j < k; ++j) oracle->forward(micro[j], j < k - 1 || !find_unused).pow(2).mean().backward();
+    expect_oracle(got, snapshot(*oracle));
+  }
+}
+
+TEST(Library, TwoForwardAndBackwardPassesBeforeOneStepAddTheirAverages) {
+  auto models = replicas<BranchImpl>(41);
+  torch::manual_seed(42);
+  const auto x1 = torch::randn({4, 4}), x2 = torch::randn({4, 4});
+  std::vector<Snapshot> got(kWorld);
+  run_ranks(kWorld, [&](ProcessGroup& group) {
+    auto model = models[group.rank()];
+    DistributedDataParallel ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    opt.zero_grad();
+    ddp.forward(shard(x1, group.rank()), true).pow(2).mean().backward();
+    ddp.forward(shard(x2, group.rank()), true).abs().mean().backward();
+    got[group.rank()] = snapshot(*model);
+    opt.step();
+    got[group.rank()].values = snapshot(*model).values;
+  });
+  auto oracle = models.back();
+  torch::optim::SGD opt(oracle->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  opt.zero_grad();
+  oracle->forward(x1, true).pow(2).mean().backward();
+  oracle->forward(x2, true).abs().mean().backward();
+  Snapshot expected = snapshot(*oracle);
+  opt.step();
+  expected.values = snapshot(*oracle).values;
+  expect_oracle(got, expected);
+}
+
+// float32 and float64 parameters: a bucket each.
+struct TwoTypesImpl : torch::nn::Module {
+  TwoTypesImpl() {
+    single = register_module("single", torch::nn::Linear(4, 3));
+    dual = register_module("dual", torch::nn::Linear(3, 2));
+    dual->to(torch::kFloat64);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return dual(torch::tanh(single(x)).to(torch::kFloat64)); }
+  torch::nn::Linear single{nullptr}, dual{nullptr};
+};
+TORCH_MODULE(TwoTypes);
+
+TEST(Library, ParametersOfTwoDtypesGoInBucketsOfTheirOwn) {
+  auto models = replicas<TwoTypesImpl>(51);
+  torch::manual_seed(52);
+  const auto x = torch::randn({6, 4});
+  std::vector<Snapshot> got(kWorld);
+  for (const std::string hook : {"none", "fp16"}) {
+    run_ranks(kWorld, [&](ProcessGroup& group) {
+      auto model = models[group.rank()];
+      model->zero_grad();
+      DistributedDataParallel ddp(model, group);
+      if (hook == "fp16") ddp.register_comm_hook(hooks::fp16_compress());
+      const auto& buckets = ddp.reducer().buckets();
+      ASSERT_EQ(buckets.size(), 2u);
+      EXPECT_EQ(buckets[0].buffer.scalar_type(), torch::kFloat64);
+      EXPECT_EQ(buckets[1].buffer.scalar_type(), torch::kFloat32);
+      ddp.forward(shard(x, group.rank())).pow(2).mean().backward();
+      got[group.rank()] = snapshot(*model);
+    });
+    auto oracle = models.back();
+    oracle->zero_grad();
+    oracle->forward(x).pow(2).mean().backward();
+    expect_oracle(got, snapshot(*oracle), hook == "fp16" ? 2e-3 : 1e-6);
+  }
+}
+
+// BatchNorm's running statistics without SyncBatchNorm: rank 0's before
+// every training forward (broadcast_buffers), or each rank's own.
+struct PlainNormImpl : torch::nn::Module {
+  PlainNormImpl() {
+    fc = register_module("fc", torch::nn::Linear(3, 4));
+    bn = register_module("bn", torch::nn::BatchNorm1d(4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return bn(fc(x)); }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(PlainNorm);
+
+TEST(Library, BuffersComeFromRank0BeforeEachForwardOrStayEachRanksOwn) {
+  torch::manual_seed(62);
+  const auto x1 = torch::randn({8, 3}), x2 = torch::randn({8, 3});
+  for (bool broadcast : {true, false}) {
+    auto models = replicas<PlainNormImpl>(61);
+    std::vector<torch::Tensor> means(kWorld);
+    run_ranks(kWorld, [&](ProcessGroup& group) {
+      auto model = models[group.rank()];
+      DistributedDataParallel ddp(model, group, DdpOptions().broadcast_buffers(broadcast));
+      ddp.forward(shard(x1, group.rank())).sum().backward();
+      ddp.forward(shard(x2, group.rank())).sum().backward();
+      means[group.rank()] = model->bn->running_mean.clone();
+    });
+    // One BatchNorm1d replays what each rank's saw.
+    for (int r = 0; r < kWorld; ++r) {
+      auto oracle = models.back();
+      torch::NoGradGuard no_grad;
+      oracle->bn->running_mean.zero_();
+      oracle->bn->running_var.fill_(1);
+      oracle->forward(shard(x1, broadcast ? 0 : r));
+      oracle->forward(shard(x2, r));
+      EXPECT_LE(max_abs_diff(means[r], oracle->bn->running_mean), 1e-6) << "rank " << r << " broadcast " << broadcast;
+    }
+    EXPECT_EQ(torch::equal(means[0], means[1]), false) << "after its forward, each rank holds its own statistics";
+  }
+}
+
+// SyncBatchNorm wherever the forward finds its norm layers: a Sequential's,
+// 1d, 2d and 3d, and one a model declares itself.
+struct NormsImpl : torch::nn::Module {
+  NormsImpl() {
+    seq = register_module("seq", torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 3, 3)),
+                                                        torch::nn::BatchNorm2d(3), torch::nn::ReLU()));
+    register_module("norm3d", torch::nn::BatchNorm3d(3));
+    fc = register_module("fc", torch::nn::Linear(3 * 4 * 4, 5));
+    register_module("norm1d", torch::nn::BatchNorm1d(5));
+    own = register_module("own", SyncBatchNorm(5));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = seq->forward(x);                                                   // [N, 3, 4, 4]
+    h = call("norm3d", h.unsqueeze(2)).squeeze(2);                             // 3d over [N, 3, 1, 4, 4]
+    h = call("norm1d", fc(h.flatten(1)));
+    return own(h);
+  }
+  // A child looked up by name, as the forward of a model that converts finds it.
+  torch::Tensor call(const std::string& name, const torch::Tensor& x) {
+    const auto layer = named_children()[name];
+    if (auto* sync = layer->as<SyncBatchNormImpl>()) return sync->forward(x);
+    if (auto* bn = layer->as<torch::nn::BatchNorm1dImpl>()) return bn->forward(x);
+    return layer->as<torch::nn::BatchNorm3dImpl>()->forward(x);
+  }
+  torch::nn::Sequential seq{nullptr};
+  torch::nn::Linear fc{nullptr};
+  SyncBatchNorm own{nullptr};
+};
+TORCH_MODULE(Norms);
+
+TEST(Library, ConvertedNormLayersOfEveryKindMatchBatchNormOnTheWholeBatch) {
+  auto models = replicas<NormsImpl>(71);
+  torch::manual_seed(72);
+  const auto x = torch::randn({8, 1, 6, 6});
+  std::vector<Snapshot> got(kWorld);
+  std::vector<torch::Tensor> stats(kWorld);
+  run_ranks(kWorld, [&](ProcessGroup& group) {
+    auto model = models[group.rank()];
+    convert_sync_batchnorm(model);  // no group: DDP binds its own
+    EXPECT_TRUE(model->seq[1]->as<SyncBatchNormImpl>()) << "the Sequential runs the SyncBatchNorm";
+    EXPECT_TRUE(model->named_children()["norm1d"]->as<SyncBatchNormImpl>());
+    DistributedDataParallel ddp(model, group);
+    ddp.forward(shard(x, group.rank())).pow(2).mean().backward();
+    got[group.rank()] = snapshot(*model);
+    std::vector<torch::Tensor> buffers;
+    for (const auto& b : model->buffers()) buffers.push_back(b.to(torch::kFloat64).reshape(-1));
+    stats[group.rank()] = torch::cat(buffers);
+  });
+  auto oracle = models.back();  // plain BatchNorms, and its own SyncBatchNorm alone: BatchNorm
+  oracle->forward(x).pow(2).mean().backward();
+  expect_oracle(got, snapshot(*oracle), 1e-5);
+  std::vector<torch::Tensor> buffers;
+  for (const auto& b : oracle->buffers()) buffers.push_back(b.to(torch::kFloat64).reshape(-1));
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_LE(max_abs_diff(stats[r], torch::cat(buffers)), 1e-5) << "rank " << r;
+    EXPECT_TRUE(torch::equal(stats[r], stats[0])) << "rank " << r << "'s running statistics";
+  }
+}
+
+// A member handle the forward calls: no conversion can re-point it.
+struct MemberNormImpl : torch::nn::Module {
+  MemberNormImpl() { bn = register_module("bn", torch::nn::BatchNorm2d(6)); }
+  torch::Tensor forward(const torch::Tensor& x) { return bn(x); }
+  torch::nn::BatchNorm2d bn{nullptr};
+};
+TORCH_MODULE(MemberNorm);
+
+struct ListNormImpl : torch::nn::Module {
+  ListNormImpl() { layers = register_module("layers", torch::nn::ModuleList(torch::nn::BatchNorm1d(2))); }
+  torch::nn::ModuleList layers{nullptr};
+};
+TORCH_MODULE(ListNorm);
+
+TEST(Library, ANormLayerTheConversionCannotReachIsRefusedNamingItAndNothingChanges) {
+  MemberNorm member;
+  std::string error;
+  try {
+    convert_sync_batchnorm(member);
+  } catch (const UsageError& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("convert_sync_batchnorm: bn (a torch::nn::BatchNorm2d)"), std::string::npos) << error;
+  EXPECT_NE(error.find("mnist_ddp::SyncBatchNorm(6)"), std::string::npos) << error;
+  EXPECT_EQ(error.find('\n'), std::string::npos) << error;
+  EXPECT_TRUE(member->named_children()["bn"]->as<torch::nn::BatchNorm2dImpl>()) << "the model was changed";
+
+  ListNorm list;
+  error.clear();
+  try {
+    convert_sync_batchnorm(list);
+  } catch (const UsageError& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("layers.0 is a torch::nn::BatchNorm1d in a torch::nn::ModuleList"), std::string::npos) << error;
+  EXPECT_TRUE(list->layers[0]->as<torch::nn::BatchNorm1dImpl>());
+}
+
+// A program's own hook: a subclass of CommHook, registered as the built-in ones.
+class CountingHook : public hooks::CommHook {
+ public:
+  std::string name() const override { return "counting"; }
+  FuturePtr run(hooks::GradBucket& bucket, hooks::Wire& wire) override {
+    ++buckets;
+    return wire.allreduce_mean(bucket.buffer);
+  }
+  int buckets = 0;
+};
+
+TEST(Library, AProgramsOwnHookRunsOncePerBucketAndBackward) {
+  auto models = replicas<BranchImpl>(81);
+  torch::manual_seed(82);
+  const auto x = torch::randn({4, 4});
+  std::vector<Snapshot> got(kWorld);
+  run_ranks(kWorld, [&](ProcessGroup& group) {
+    auto model = models[group.rank()];
+    DistributedDataParallel ddp(model, group, DdpOptions().bucket_cap_mb(1e-6));  // a bucket a parameter
+    auto hook = std::make_shared<CountingHook>();
+    ddp.register_comm_hook(hook);
+    EXPECT_THROW(ddp.register_comm_hook(hooks::allreduce()), UsageError) << "a second hook";
+    ddp.forward(shard(x, group.rank()), true).pow(2).mean().backward();
+    EXPECT_EQ(hook->buckets, 4);
+    got[group.rank()] = snapshot(*model);
+  });
+  auto oracle = models.back();
+  oracle->forward(x, true).pow(2).mean().backward();
+  expect_oracle(got, snapshot(*oracle));
+}
+
+// PowerSGD's state saved with torch::save and loaded with torch::load into
+// a new hook: the resumed run continues exactly as the straight one.
+TEST(Library, AHooksStateSavedWithTorchSaveResumesExactly) {
+  test::TempDir dir;
+  torch::manual_seed(92);
+  std::vector<torch::Tensor> xs, ys;
+  for (int s = 0; s < 6; ++s) {
+    xs.push_back(torch::randn({8, 4}));
+    ys.push_back(torch::randn({8, 5}));
+  }
+  const auto options =
+      hooks::PowerSgdOptions().matrix_approximation_rank(1).start_powersgd_iter(2).min_compression_rate(0.1);
+  auto models = replicas<TwoWayImpl>(91), copies = replicas<TwoWayImpl>(91);
+  std::vector<torch::Tensor> straight(kWorld), resumed(kWorld);
+  run_ranks(kWorld, [&](ProcessGroup& group) {
+    const int r = group.rank();
+    const std::string file = dir / ("hook" + std::to_string(r) + ".pt");
+    auto steps = [&](DistributedDataParallel<TwoWayImpl>& ddp, int from, int to) {
+      for (int s = from; s < to; ++s) {
+        ddp->zero_grad();
+        two_way_loss(ddp.forward(shard(xs[s], r), shard(ys[s], r))).backward();
+        torch::NoGradGuard no_grad;
+        for (auto& p : ddp->parameters())
+          if (p.requires_grad()) p.sub_(p.grad() * 0.1);
+      }
+    };
+    auto flat = [](torch::nn::Module& m) {
+      std::vector<torch::Tensor> parts;
+      for (const auto& p : m.parameters()) parts.push_back(p.detach().reshape(-1).clone());
+      return torch::cat(parts);
+    };
+    {
+      auto psgd = hooks::powersgd(options);
+      DistributedDataParallel ddp(models[r], group);
+      ddp.register_comm_hook(hooks::fp16_compress_wrapper(psgd));
+      steps(ddp, 0, 3);
+      torch::save(ddp.comm_hook(), file);
+      {
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < models[r]->parameters().size(); ++i)
+          copies[r]->parameters()[i].copy_(models[r]->parameters()[i]);
+      }
+      steps(ddp, 3, 6);
+      EXPECT_GT(psgd->compression_stats().first, 0) << "PowerSGD never compressed";
+      straight[r] = flat(*models[r]);
+    }
+    {
+      DistributedDataParallel ddp(copies[r], group);
+      auto hook = hooks::fp16_compress_wrapper(hooks::powersgd(options));
+      torch::load(*hook, file);
+      ddp.register_comm_hook(hook);
+      steps(ddp, 3, 6);
+      resumed[r] = flat(*copies[r]);
+    }
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_TRUE(torch::equal(resumed[r], straight[r])) << "rank " << r;
+    EXPECT_TRUE(torch::equal(straight[r], straight[0])) << "rank " << r;
+  }
+  // Another hook's state is refused, naming both.
+  auto other = hooks::powersgd(options);
+  try {
+    torch::load(*other, dir / "hook0.pt");
+    ADD_FAILURE() << "loaded powersgd_fp16's state into powersgd";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("powersgd_fp16"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace mnist_ddp

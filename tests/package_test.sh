@@ -1,0 +1,202 @@
+#!/usr/bin/env bash
+# The library as another project meets it: installed with cmake --install,
+# found with find_package(mnist_ddp), its examples/ built against the
+# installed tree and run as one job under our launcher, torchrun, mpirun,
+# mpiexec and alone.
+#
+#   bash tests/package_test.sh CASE SOURCE_DIR BUILD_DIR TORCH_DIR
+#
+# CASE: build (installs and builds the examples into BUILD_DIR/package; the
+# other cases use them), refuse, launchers, run-errors.
+# Exit 0: passed; 77: skipped, the reason printed; else failed, saying what.
+# Every command is bounded in time; every port is one the kernel picked.
+set -euo pipefail
+case_name="${1:-}" src="${2:-}" build="${3:-}" torch_dir="${4:-}"
+[ -n "$case_name" ] && [ -d "$src/examples" ] && [ -x "$build/mnist_ddp" ] ||
+  { echo "usage: package_test.sh CASE SOURCE_DIR BUILD_DIR TORCH_DIR" >&2; exit 2; }
+pkg="$build/package"
+examples="$pkg/build"
+mnist_ddp="$build/mnist_ddp"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+
+fail() { echo "FAILED: $*" >&2; exit 1; }
+skip() { echo "skipped: $*"; exit 77; }
+# run CMD...: runs it with a time limit; sets rc and out (stdout and stderr).
+run() {
+  rc=0
+  out="$(timeout -k 5 300 "$@" 2>&1)" || rc=$?
+}
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# The examples' last lines, without the launcher's name: what every launcher must agree on.
+results() { grep -E '^(\[[a-z0-9]+\]:)?[a-z_]+: rank [0-9]+ of' <<<"$1" | sed -E 's/^\[[a-z0-9]+\]://; s/ \([a-z_]+, /(/' | sort; }
+
+case "$case_name" in
+  build)
+    rm -rf "$pkg"
+    run cmake --install "$build" --prefix "$pkg/prefix"
+    [ "$rc" = 0 ] || fail "cmake --install: $out"
+    [ -f "$pkg/prefix/include/mnist_ddp/ddp.hpp" ] || fail "no include/mnist_ddp/ddp.hpp installed"
+    [ -f "$pkg/prefix/lib/cmake/mnist_ddp/mnist_ddpConfig.cmake" ] || fail "no package config installed"
+    # The application's headers and the library's private ones stay out.
+    leaked="$(cd "$pkg/prefix" && find . -name '*.hpp' | grep -vE '^\./include/mnist_ddp/' || true)"
+    [ -z "$leaked" ] || fail "installed outside include/mnist_ddp: $leaked"
+    for private in rendezvous shared_memory exact_math trainer options; do
+      [ -z "$(find "$pkg/prefix" -name "$private.hpp")" ] || fail "$private.hpp is installed"
+    done
+    generator=()
+    command -v ninja >/dev/null && generator=(-G Ninja)
+    run cmake -S "$src/examples" -B "$examples" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+      "-DCMAKE_PREFIX_PATH=$pkg/prefix" "-DTorch_DIR=$torch_dir"
+    [ "$rc" = 0 ] || fail "configuring examples/ against the installed package: $out"
+    run cmake --build "$examples" -j "$(nproc)"
+    [ "$rc" = 0 ] || fail "building examples/: $out"
+    for e in two_inputs resnet dcgan; do [ -x "$examples/$e" ] || fail "no $e built"; done
+    echo "installed into $pkg/prefix; examples/ built against it in $examples"
+    ;;
+
+  refuse)
+    # Another LibTorch than the one the package was built against: refused
+    # before anything compiles, in one line naming both.
+    config="$pkg/prefix/lib/cmake/mnist_ddp/mnist_ddpConfig.cmake"
+    [ -f "$config" ] || fail "no installed package: the build case runs first"
+    version="$(sed -n 's/^set(mnist_ddp_LIBTORCH_VERSION "\(.*\)")$/\1/p' "$config")"
+    cuda="$(sed -n 's/^set(mnist_ddp_LIBTORCH_HAS_CUDA \(.*\))$/\1/p' "$config")"
+    abi="$(sed -n 's/^set(mnist_ddp_LIBTORCH_CXX11_ABI \(.*\))$/\1/p' "$config")"
+    mkdir -p "$tmp/project"
+    printf 'cmake_minimum_required(VERSION 3.18)\nproject(consumer LANGUAGES CXX)\nfind_package(mnist_ddp CONFIG REQUIRED)\n' \
+      >"$tmp/project/CMakeLists.txt"
+    refused() {  # refused NAME VERSION HAS_CUDA ABI WORDS...: a stand-in LibTorch that way is refused
+      local name="$1" v="$2" c="$3" a="$4" word line
+      shift 4
+      mkdir -p "$tmp/$name"
+      printf 'set(PACKAGE_VERSION "%s")\nset(PACKAGE_VERSION_COMPATIBLE TRUE)\n' "$v" >"$tmp/$name/TorchConfigVersion.cmake"
+      {
+        echo "set(TORCH_CXX_FLAGS \"-D_GLIBCXX_USE_CXX11_ABI=$a\")"
+        [ "$c" = 1 ] && echo 'set(TORCH_CUDA_LIBRARIES /stand-in/libcudart.so)'
+        echo 'if(NOT TARGET torch)'
+        echo '  add_library(torch INTERFACE IMPORTED)'
+        echo 'endif()'
+      } >"$tmp/$name/TorchConfig.cmake"
+      run cmake -S "$tmp/project" -B "$tmp/$name-build" "-DCMAKE_PREFIX_PATH=$pkg/prefix" "-DTorch_DIR=$tmp/$name"
+      [ "$rc" != 0 ] || fail "$name: a LibTorch $v (CUDA $c, ABI $a) was taken"
+      line="$(grep -E '^ +mnist_ddp [0-9.]+ was built against' <<<"$out" | sed 's/^ *//')" ||
+        fail "$name: no one-line refusal in: $out"
+      [ "$(wc -l <<<"$line")" = 1 ] || fail "$name: the refusal is not one line: $out"
+      for word in "$@"; do [[ "$line" == *"$word"* ]] || fail "$name: '$word' missing from: $line"; done
+      echo "$name: $line"
+    }
+    refused other-version 9.9.0 "$cuda" "$abi" "LibTorch $version" "this project's is 9.9.0"
+    if [ "$cuda" = 1 ]; then
+      refused other-cuda "$version" 0 "$abi" "with CUDA" "is CPU only"
+    else
+      refused other-cuda "$version" 1 "$abi" "CPU only" "has CUDA"
+    fi
+    refused other-abi "$version" "$cuda" "$((1 - abi))" "uses the other C++ ABI"
+    ;;
+
+  launchers)
+    # The same two-rank job under every launcher: the same losses, and
+    # identical replicas (each example checks them before it prints).
+    [ -x "$examples/two_inputs" ] || fail "no examples built: the build case runs first"
+    run "$examples/two_inputs" 12
+    [ "$rc" = 0 ] || fail "two_inputs alone: $out"
+    [[ "$out" == *"rank 0 of 1 (alone, cpu)"* ]] || fail "two_inputs alone: $out"
+    run "$mnist_ddp" run --nproc 2 -- "$examples/two_inputs" 12
+    [ "$rc" = 0 ] || fail "mnist_ddp run two_inputs: $out"
+    ours="$(results "$out")"
+    [ "$(wc -l <<<"$ours")" = 2 ] || fail "mnist_ddp run: expected two ranks' results, got: $out"
+    echo "mnist_ddp run:"$'\n'"$ours"
+    python=""
+    for p in /usr/bin/python3 python3; do
+      if "$p" -c 'import torch.distributed.run' >/dev/null 2>&1; then python="$p"; break; fi
+    done
+    if [ -n "$python" ]; then
+      run "$python" "$src/tests/torchrun.py" --nproc_per_node 2 --master_port "$(free_port)" --redirects 1 --tee 1 \
+        --no_python "$examples/two_inputs" 12
+      [ "$rc" = 0 ] || fail "torchrun two_inputs: $out"
+      [ "$(results "$out")" = "$ours" ] || fail "torchrun's job differs from mnist_ddp run's: $out"
+      echo "torchrun: the same"
+    else
+      echo "torchrun: not here (python3-torch)"
+    fi
+    if command -v mpirun.openmpi >/dev/null; then
+      run mpirun.openmpi --allow-run-as-root --oversubscribe -np 2 -x MASTER_PORT="$(free_port)" "$examples/two_inputs" 12
+      [ "$rc" = 0 ] || fail "mpirun two_inputs: $out"
+      [ "$(results "$out")" = "$ours" ] || fail "mpirun's job differs from mnist_ddp run's: $out"
+      echo "mpirun: the same"
+    else
+      echo "mpirun: not here (openmpi-bin)"
+    fi
+    if command -v mpiexec.mpich >/dev/null; then
+      run env MASTER_PORT="$(free_port)" mpiexec.mpich -n 2 "$examples/two_inputs" 12
+      [ "$rc" = 0 ] || fail "mpiexec two_inputs: $out"
+      [ "$(results "$out")" = "$ours" ] || fail "mpiexec's job differs from mnist_ddp run's: $out"
+      echo "mpiexec: the same"
+    else
+      echo "mpiexec: not here (mpich)"
+    fi
+    # A Kubeflow pod per rank, started without torchrun.
+    port="$(free_port)"
+    for r in 0 1; do
+      env RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" PET_NNODES=2 PET_NODE_RANK=$r \
+        PET_NPROC_PER_NODE=1 timeout -k 5 300 "$examples/two_inputs" 12 >"$tmp/pod$r" 2>&1 &
+      pods[r]=$!
+    done
+    for r in 0 1; do wait "${pods[r]}" || fail "Kubeflow pod $r: $(cat "$tmp/pod$r")"; done
+    [ "$(results "$(cat "$tmp/pod0" "$tmp/pod1")")" = "$ours" ] || fail "the pods' job differs: $(cat "$tmp"/pod*)"
+    echo "Kubeflow pods: the same"
+
+    # The other examples under our launcher; the ResNet under torchrun too.
+    run "$mnist_ddp" run --nproc 2 -- "$examples/dcgan" 10
+    [ "$rc" = 0 ] && [ "$(results "$out" | grep -c 'replicas identical')" = 2 ] || fail "dcgan: $out"
+    echo "$(results "$out")"
+    [ -s /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] ||
+      skip "no Fashion-MNIST for examples/resnet.cpp: install dataset-fashion-mnist (scripts/install_deps.sh test does)"
+    mkdir -p "$tmp/fashion"
+    for f in /usr/share/datasets/fashion-mnist/*-ubyte.gz; do gunzip -c "$f" >"$tmp/fashion/$(basename "$f" .gz)"; done
+    run "$mnist_ddp" run --nproc 2 -- "$examples/resnet" "$tmp/fashion" 8
+    [ "$rc" = 0 ] && [ "$(results "$out" | grep -c 'replicas identical')" = 2 ] || fail "resnet: $out"
+    resnet="$(results "$out")"
+    echo "$resnet"
+    if [ -n "$python" ]; then
+      run "$python" "$src/tests/torchrun.py" --nproc_per_node 2 --master_port "$(free_port)" --redirects 1 --tee 1 \
+        --no_python "$examples/resnet" "$tmp/fashion" 8
+      [ "$rc" = 0 ] && [ "$(results "$out")" = "$resnet" ] || fail "resnet under torchrun differs: $out"
+      echo "resnet under torchrun: the same"
+    fi
+    ;;
+
+  run-errors)
+    # mnist_ddp run's bad inputs: one line, exit 2; a failing worker stops
+    # the others and names itself; nothing is left running.
+    run "$mnist_ddp" run --nproc 2
+    [ "$rc" = 2 ] && [ "$(wc -l <<<"$out")" = 1 ] && [[ "$out" == *"no program"* ]] || fail "no program: rc $rc: $out"
+    echo "$out"
+    run "$mnist_ddp" run --nproc 2 -- no-such-program-of-ours
+    [ "$rc" = 2 ] && [ "$(wc -l <<<"$out")" = 1 ] && [[ "$out" == *"no-such-program-of-ours: no such program on PATH"* ]] ||
+      fail "unknown program: rc $rc: $out"
+    echo "$out"
+    run "$mnist_ddp" run --nproc 0 -- true
+    [ "$rc" = 2 ] && [ "$(wc -l <<<"$out")" = 1 ] && [[ "$out" == *"--nproc"* ]] || fail "--nproc 0: rc $rc: $out"
+    echo "$out"
+    # Rank 1 fails at once; rank 0 would sleep for a minute.
+    printf '#!/bin/sh\n[ "$LOCAL_RANK" = 1 ] && exit 3\nexec sleep 60\n' >"$tmp/flaky"
+    chmod 755 "$tmp/flaky"
+    start=$SECONDS
+    run "$mnist_ddp" run --nproc 2 -- "$tmp/flaky"
+    [ "$rc" = 3 ] && [[ "$out" == *"worker rank 1"*"exited with status 3"* ]] || fail "a failing worker: rc $rc: $out"
+    [ $((SECONDS - start)) -lt 30 ] || fail "the launcher took $((SECONDS - start)) s to stop the other worker"
+    ! pgrep -f "$tmp/flaky" >/dev/null || fail "a worker outlived its launcher"
+    echo "$out"
+    # Restarts: the program starts again, with the restart count it can read.
+    printf '#!/bin/sh\necho "start $MNIST_DDP_ROUND rank $LOCAL_RANK"\n[ "$MNIST_DDP_ROUND" = 0 ] && [ "$LOCAL_RANK" = 0 ] && exit 1\nexit 0\n' \
+      >"$tmp/once"
+    chmod 755 "$tmp/once"
+    run "$mnist_ddp" run --nproc 2 --max-restarts 1 -- "$tmp/once"
+    [ "$rc" = 0 ] && [[ "$out" == *"restart 1 of 1"* ]] && [[ "$out" == *"start 1 rank 0"* ]] || fail "a restart: rc $rc: $out"
+    echo "restarted once, then exit 0"
+    ;;
+
+  *) echo "package_test.sh: unknown case $case_name" >&2; exit 2 ;;
+esac
