@@ -1,4 +1,5 @@
-// mnist_ddp: parse options, then either launch the workers or be one.
+// mnist_ddp: parse options, then either launch the workers or be one;
+// mnist_ddp run -- PROGRAM: launch another program's workers.
 #include <signal.h>
 #include <sys/stat.h>
 

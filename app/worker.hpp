@@ -1,5 +1,6 @@
-// A worker process: this binary started by a launcher (ours, torchrun or
-// Slurm) to be one rank of the job, from its first tensor to its exit code.
+// A worker process: this binary started by a launcher (ours, torchrun,
+// Slurm, mpirun, mpiexec, a Kubeflow pod) to be one rank of the job, from
+// its first tensor to its exit code.
 #pragma once
 
 #include "mnist_ddp/base/environment.hpp"

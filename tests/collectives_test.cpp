@@ -145,7 +145,7 @@ TEST(CollectiveOrder, EveryRankIssuesTheSameCollectivesInTheSameOrderForEveryHoo
   }
 }
 
-// See comm_hooks.hpp, "exact math".
+// See src/parallel/exact_math.hpp.
 TEST(ExactMath, ResultsAreBitIdenticalWhateverTheThreadCount) {
   torch::manual_seed(12);
   const auto p = torch::randn({1087, 2}), q = torch::randn({1087, 2});

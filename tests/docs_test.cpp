@@ -117,6 +117,8 @@ std::vector<CodeBlock> code_blocks(const std::string& page) {
 //                                  that keep it short);
 //   <!-- check: test A.B, C.D -->  those tests run the commands: they exist,
 //                                  and their sources use every flag shown;
+//   <!-- check: script PATH -->    the script PATH (a test of ours) runs the
+//                                  commands, and uses every flag shown;
 //   <!-- not runnable here: why --> or <!-- not a command: what -->.
 // And every script, page or source a page names exists.
 TEST(Docs, EveryDocumentedCommandRunsOrSaysWhyNot) {
@@ -165,6 +167,13 @@ TEST(Docs, EveryDocumentedCommandRunsOrSaysWhyNot) {
         for (const auto& command : block.commands)
           for (auto it = std::sregex_iterator(command.begin(), command.end(), flag); it != std::sregex_iterator(); ++it)
             EXPECT_NE(sources.find(it->str()), std::string::npos) << it->str() << " of '" << command << "' is used by none of: " << detail;
+      } else if (kind == "check" && detail.rfind("script ", 0) == 0) {
+        const std::string script = detail.substr(7);
+        ASSERT_TRUE(files::exists(std::string(MNIST_DDP_SOURCE_DIR) + "/" + script)) << "no " << script;
+        const std::string text = source_text(script);
+        for (const auto& command : block.commands)
+          for (auto it = std::sregex_iterator(command.begin(), command.end(), flag); it != std::sregex_iterator(); ++it)
+            EXPECT_NE(text.find(it->str()), std::string::npos) << it->str() << " of '" << command << "' is not used by " << script;
       } else if (kind == "not runnable here" || kind == "not a command") {
         EXPECT_GE(detail.size(), 4u) << "say why";
       } else {

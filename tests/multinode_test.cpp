@@ -40,7 +40,7 @@ class MultiNode : public test::JobsOnThisMachine {
 
 // Node 0's two workers compute with one thread each, node 1's one worker
 // with two: the local math after each collective must not care (see
-// comm_hooks.hpp, "exact math"), or the replica check fails the run.
+// src/parallel/exact_math.hpp), or the replica check fails the run.
 TEST_F(MultiNode, TwoLaunchersOfDifferentSizesAndThreadCountsTrainAsOneJobUnderEveryHook) {
   for (const std::string& compression : kCompressions) {
     const std::vector<std::string> hook = {"--compression", compression, "--checkpoint-every", "0"};
@@ -200,7 +200,7 @@ TEST_F(MultiNode, TwoNodesOverAVirtualNetwork) {
 
 // Over a link shaped to 200 Mbit/s (a token bucket: what crosses queues
 // behind what crossed before), every hook: each of a rank's two lanes
-// (rendezvous.hpp) keeps its order, so each run ends with replicas
+// (process_group.hpp) keeps its order, so each run ends with replicas
 // bit-identical on every rank.
 TEST_F(MultiNode, EveryHookOverAShapedLinkEndsWithIdenticalReplicas) {
   const test::TwoHosts hosts;

@@ -1,6 +1,8 @@
 // The launcher: the parent process that starts and supervises one node's
 // workers. It never initialises CUDA; each worker is this binary exec'ed
-// with the environment worker_environment() builds (environment.hpp).
+// (or, for mnist_ddp run, the user's program) with the environment
+// worker_environment() builds (environment.hpp), which
+// init_process_group() reads back.
 //
 // SIGINT/SIGHUP to the launcher print the reference's "KeyboardInterrupt
 // received. Terminating processes..." and stop every worker (SIGTERM, then

@@ -28,7 +28,7 @@ struct WorkerEnv {
   // "slurm", "mpirun" (Open MPI), "mpiexec" (MPICH, Intel MPI: hydra),
   // "kubeflow" (a PyTorchJob's pod started without torchrun).
   std::string launcher;
-  int rank = -1;         // -1: agreed through the store (comm/rendezvous.hpp)
+  int rank = -1;         // -1: agreed through the store (src/comm/rendezvous.hpp)
   int world_size = -1;   // likewise
   int local_rank = 0;
   int local_world_size = 1;

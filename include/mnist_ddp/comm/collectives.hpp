@@ -1,4 +1,4 @@
-// The ordered collective stream: every collective a rank issues, issued by
+// The ordered collective stream: every collective of one group, issued by
 // one thread in one order.
 //
 // Note on order. NCCL and Gloo match collectives across ranks by the order in
@@ -6,11 +6,15 @@
 // same collectives in different orders. A rank has several threads that want
 // to talk: autograd (SyncBatchNorm's backward, DDP's ready buckets) and the
 // main thread (SyncBatchNorm's forward, metrics, checkpoints). So every
-// collective is a task on one queue, run by one communication thread in the
-// order the tasks were posted. Tasks are posted in program order: forward,
-// then backward in autograd's order (a deterministic function of the graph),
-// then metrics and checks, which is the same on every rank; so the
-// collectives are issued in the same order on every rank, by construction.
+// collective on a group is a task on that group's stream, run by its one
+// communication thread in the order the tasks were posted. Tasks are posted
+// in program order: forward, then backward in autograd's order (a
+// deterministic function of the graph), then metrics and checks, which is
+// the same on every rank; so the collectives are issued in the same order on
+// every rank, by construction. A rank has several streams, each over a group
+// of its own (process_group.hpp: the bulk and the quick lane, and one more
+// per further DDP model), and each keeps this order for itself: no two
+// streams' collectives ever need matching against each other.
 #pragma once
 
 #include <torch/torch.h>
