@@ -144,6 +144,27 @@ TEST(Dataset, MismatchedCountsBadLabelsAndMissingFilesAreRefused) {
   }
 }
 
+// A header that claims 2^31 - 1 images is named with its file, before any
+// memory of that size is asked for: by the launcher's check (which sizes
+// its workers by the headers), by a worker's load, gzip or plain.
+TEST(Dataset, AHeaderThatClaimsMoreThanTheFileHoldsIsNamedBeforeAllocating) {
+  for (const bool gzip : {true, false}) {
+    SCOPED_TRACE(gzip ? "gzip" : "plain");
+    TempDir dir;
+    write_split(dir, "t10k", 10, 10);
+    const std::string images = dir / (std::string("MNIST/raw/train-images-idx3-ubyte") + (gzip ? ".gz" : ""));
+    write_file(images, idx_bytes({0x7fffffffu, 28, 28}, ramp(5 * 28 * 28)), gzip);
+    write_file(dir / "MNIST/raw/train-labels-idx1-ubyte.gz", idx_bytes({5}, ramp(5)), true);
+    for (const auto& msg : {data_error([&] { check_dataset_files(dir.path(), "mnist"); }),
+                            data_error([&] { dataset_bytes(dir.path(), "mnist"); }),
+                            data_error([&] { load_dataset(dir.path(), "mnist", true); })}) {
+      expect_contains(msg, images);
+      expect_contains(msg, "truncated");
+      expect_contains(msg, "2147483647");
+    }
+  }
+}
+
 std::vector<int64_t> as_vector(const torch::Tensor& t) {
   return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
 }

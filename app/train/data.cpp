@@ -1,6 +1,7 @@
 #include "app/train/data.hpp"
 #include "app/base/files.hpp"
 
+#include <sys/stat.h>
 #include <zlib.h>
 
 #include <array>
@@ -25,22 +26,30 @@ class IdxFile {
     if (!file_) throw DataError("data file " + path + ": cannot open it");
   }
 
-  // Reads exactly n bytes; anything less means the file is truncated.
-  void read(void* out, size_t n, const char* what) {
+  // Reads exactly n bytes; anything less means the file is truncated
+  // (`total`: the bytes expected in all, when n is a piece of them).
+  void read(void* out, size_t n, const char* what, int64_t total = -1) {
     auto* p = static_cast<unsigned char*>(out);
     size_t done = 0;
     while (done < n) {
       const unsigned chunk = static_cast<unsigned>(std::min<size_t>(n - done, 1u << 30));
       const int got = gzread(file_.get(), p + done, chunk);
       if (got < 0) throw_corrupt();
-      if (got == 0)
-        throw DataError("data file " + path_ + ": truncated, " + what + " end after " + std::to_string(done) +
-                        " of " + std::to_string(n) + " bytes");
+      if (got == 0) {
+        if (total >= 0)
+          throw DataError("data file " + path_ + ": truncated: its header announces " + what + ", the file ends before " +
+                          std::to_string(total) + " bytes of them");
+        throw DataError("data file " + path_ + ": truncated, " + what + " end after " + std::to_string(done) + " of " +
+                        std::to_string(n) + " bytes");
+      }
       done += static_cast<size_t>(got);
     }
   }
 
-  std::vector<int64_t> header(int dims) {
+  // The dimensions its header announces. With `check_size`, checked first
+  // against the bytes the file holds (a plain file's size, a gzip file's
+  // trailer), for a caller that sizes memory by the header.
+  std::vector<int64_t> header(int dims, bool check_size = false) {
     unsigned char magic[4];
     read(magic, 4, "the header bytes");
     const unsigned value = (magic[0] << 24) | (magic[1] << 16) | (magic[2] << 8) | magic[3];
@@ -52,12 +61,38 @@ class IdxFile {
       throw DataError("data file " + path_ + text);
     }
     std::vector<int64_t> shape(dims);
+    int64_t values = 1;
+    std::string announced;
     for (auto& d : shape) {
       unsigned char b[4];
       read(b, 4, "the dimension sizes");
       d = (int64_t{b[0]} << 24) | (b[1] << 16) | (b[2] << 8) | b[3];
+      values *= d;  // at most 2^32 ^ 3: no overflow
+      announced += (announced.empty() ? "" : "x") + std::to_string(d);
+    }
+    if (check_size) {
+      const int64_t held = data_bytes(4 + 4 * static_cast<int64_t>(dims));
+      if (held >= 0 && held != values % (int64_t{1} << 32) && held != values)
+        throw DataError("data file " + path_ + ": " + (held < values ? "truncated" : "has bytes past the end") +
+                        ": its header announces " + announced + " values, the file holds " + std::to_string(held) +
+                        " bytes of data; fetch it again: bash scripts/fetch_data.sh");
     }
     return shape;
+  }
+
+  // The bytes past the header: the file's size for a plain file; for a gzip
+  // file its trailer's ISIZE (the uncompressed size modulo 2^32). -1 when
+  // neither can be read.
+  int64_t data_bytes(int64_t header_bytes) const {
+    struct stat st;
+    if (stat(path_.c_str(), &st) != 0) return -1;
+    std::unique_ptr<FILE, int (*)(FILE*)> raw(std::fopen(path_.c_str(), "rb"), &std::fclose);
+    unsigned char b[4] = {};
+    if (!raw || std::fread(b, 1, 2, raw.get()) != 2) return -1;
+    if (b[0] != 0x1f || b[1] != 0x8b) return static_cast<int64_t>(st.st_size) - header_bytes;
+    if (st.st_size < 18 || std::fseek(raw.get(), -4, SEEK_END) != 0 || std::fread(b, 1, 4, raw.get()) != 4) return -1;
+    const uint32_t size = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
+    return (static_cast<int64_t>(size) - header_bytes + (int64_t{1} << 32)) % (int64_t{1} << 32);
   }
 
   void expect_end() {
@@ -116,10 +151,24 @@ void check_shapes(const SplitFiles& f, const std::vector<int64_t>& images, const
 torch::Tensor read_idx(const std::string& path, int dims) {
   IdxFile file(path);
   const std::vector<int64_t> shape = file.header(dims);
-  auto out = torch::empty(shape, torch::kUInt8);
-  file.read(out.data_ptr<uint8_t>(), static_cast<size_t>(out.numel()), "the data");
+  int64_t values = 1;
+  std::string announced;
+  for (int64_t d : shape) {
+    values *= d;
+    announced += (announced.empty() ? "" : "x") + std::to_string(d);
+  }
+  // Read in pieces, never allocating what the header claims before the
+  // file has shown it holds that much: a lying header is named, not
+  // allocated.
+  std::vector<uint8_t> data;
+  constexpr int64_t kPiece = 16 << 20;
+  while (static_cast<int64_t>(data.size()) < values) {
+    const size_t at = data.size();
+    data.resize(at + static_cast<size_t>(std::min(kPiece, values - static_cast<int64_t>(at))));
+    file.read(data.data() + at, data.size() - at, (announced + " values").c_str(), values);
+  }
   file.expect_end();
-  return out;
+  return torch::from_blob(data.data(), shape, torch::kUInt8).clone();
 }
 
 std::string raw_dir(const std::string& data_dir, const std::string& dataset) {
@@ -129,8 +178,8 @@ std::string raw_dir(const std::string& data_dir, const std::string& dataset) {
 void check_dataset_files(const std::string& data_dir, const std::string& dataset) {
   for (bool train : {true, false}) {
     const SplitFiles f = split_files(data_dir, dataset, train);
-    const auto images = IdxFile(f.images).header(3);
-    const auto labels = IdxFile(f.labels).header(1);
+    const auto images = IdxFile(f.images).header(3, true);
+    const auto labels = IdxFile(f.labels).header(1, true);
     check_shapes(f, images, labels);
   }
 }
@@ -139,7 +188,7 @@ int64_t dataset_bytes(const std::string& data_dir, const std::string& dataset) {
   int64_t bytes = 0;
   for (bool train : {true, false}) {
     const SplitFiles f = split_files(data_dir, dataset, train);
-    const int64_t images = IdxFile(f.images).header(3)[0];
+    const int64_t images = IdxFile(f.images).header(3, true)[0];
     bytes += images * (kSide * kSide * static_cast<int64_t>(sizeof(float)) + static_cast<int64_t>(sizeof(int64_t)));
   }
   return bytes;
