@@ -91,6 +91,16 @@ TEST(Options, BadValuesNameTheFlagAndWhatIsAllowed) {
       {{"--epochs", "99999999999"}, {"--epochs", "'99999999999'"}},
       {{"--seed", "-1"}, {"--seed", "0..18446744073709551615"}},
       {{"--powersgd-seed", "-1"}, {"--powersgd-seed", "0..18446744073709551615"}},
+      // Past what the float32 math, or the store's whole seconds, can take.
+      {{"--lr", "1e39"}, {"--lr", "up to 3.4e38", "'1e39'"}},
+      {{"--wd", "1e39"}, {"--weight-decay", "up to 3.4e38"}},
+      {{"--momentum", "1e39"}, {"--momentum", "up to 3.4e38"}},
+      {{"--orthogonalization-epsilon", "1e39"}, {"--orthogonalization-epsilon", "up to 3.4e38"}},
+      {{"--timeout", "0.99"}, {"--timeout", "from 1", "'0.99'"}},
+      // What a manifest records line by line must read back.
+      {{"--path", "/tmp/x/odd\nnewline"}, {"--path", "without newlines"}},
+      {{"--resume", "ckpt\r"}, {"--resume", "without newlines"}},
+      {{"--data-dir", "data\t"}, {"--data-dir", "without newlines"}},
   };
   for (const auto& c : cases) {
     const std::string msg = usage_error(c.args);

@@ -45,6 +45,18 @@ CLI::Validator seed() {
       "0..2^64-1");
 }
 
+// Text that reads back as written: a path that holds a newline cannot be
+// recorded line by line (the checkpoint's manifest), nor shown on one line.
+CLI::Validator printable(const std::string& what) {
+  return CLI::Validator(
+      [what](std::string& s) -> std::string {
+        for (unsigned char c : s)
+          if (c < 0x20 || c == 0x7f) return "must be " + what;
+        return "";
+      },
+      what);
+}
+
 CLI::Validator one_of(const std::vector<std::string>& choices) {
   std::string list;
   for (const auto& c : choices) list += (list.empty() ? "" : ", ") + c;
@@ -106,8 +118,9 @@ void add_launch_flags(CLI::App& app, Options& o) {
           },
           "0..65535"));
   // A week at most: Gloo counts its timeout in int milliseconds (24 days).
+  // A second at least: the store and Gloo count whole seconds in places.
   app.add_option("--timeout", o.timeout, "Seconds a rendezvous or collective may wait for a peer")
-      ->check(number(0, false, 604800, "a positive number of seconds up to 604800 (a week)"));
+      ->check(number(1, true, 604800, "a number of seconds from 1 up to 604800 (a week)"));
 }
 
 void add_max_restarts(CLI::App& app, Options& o, const std::string& how) {
@@ -180,11 +193,12 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
   app.add_option("--test-batch-size", o.test_batch_size, "Evaluation images per process and batch")
       ->check(positive("a positive integer"));
   app.add_option("--epochs", o.epochs, "Passes over the training set")->check(positive("a positive integer"));
+  // The optimizer's numbers meet float32 tensors: at most float32's largest.
   app.add_option("--lr", o.lr, "Initial learning rate (cosine-annealed to 0 over --epochs)")
-      ->check(positive("a positive number"));
-  app.add_option("--momentum", o.momentum, "SGD momentum")->check(at_least(0, "a number >= 0"));
+      ->check(number(0, false, FLT_MAX, "a positive number up to 3.4e38"));
+  app.add_option("--momentum", o.momentum, "SGD momentum")->check(number(0, true, FLT_MAX, "a number from 0 up to 3.4e38"));
   app.add_option("--weight-decay,--wd", o.weight_decay, "SGD weight decay (L2 penalty)")
-      ->check(at_least(0, "a number >= 0"));
+      ->check(number(0, true, FLT_MAX, "a number from 0 up to 3.4e38"));
   app.add_option("--workers", o.workers,
                  "Ignored, so the reference's command lines run: batches are sliced from data held in memory, "
                  "with no loader processes")
@@ -192,11 +206,13 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
   app.add_option("--compression", o.compression, "Gradient communication hook")->check(one_of(kCompressions));
   app.add_option("--log-interval,--log_interval", o.log_interval, "Batches between two training log lines")
       ->check(positive("a positive integer"));
-  app.add_option("--path", o.path, "Directory for the log file, the best model and checkpoints");
+  app.add_option("--path", o.path, "Directory for the log file, the best model and checkpoints")
+      ->check(printable("a path without newlines or other control characters"));
 
   add_launch_flags(app, o);
 
-  app.add_option("--data-dir", o.data_dir, "Directory holding MNIST/raw or FashionMNIST/raw");
+  app.add_option("--data-dir", o.data_dir, "Directory holding MNIST/raw or FashionMNIST/raw")
+      ->check(printable("a path without newlines or other control characters"));
   app.add_option("--dataset", o.dataset, "Dataset to train on")->check(one_of({"mnist", "fashion-mnist"}));
   app.add_option("--seed", o.seed, "Seed of model init, data order and dropout")->check(seed());
   app.add_option("--max-steps", o.max_steps, "Stop after this many training steps in total (0: no limit)")
@@ -209,7 +225,8 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
       ->check(at_least(0, "an integer >= 0"));
   add_max_restarts(app, o, "restart the workers of every node from the newest checkpoint");
   app.add_option("--resume", o.resume,
-                 "Continue from a checkpoint directory, or 'auto': <path>/checkpoint when it holds one");
+                 "Continue from a checkpoint directory, or 'auto': <path>/checkpoint when it holds one")
+      ->check(printable("a path without newlines or other control characters"));
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "A gradient bucket closes once it holds this many MB (the first at 1 MB, or this if less)")
       ->check(number(0, false, 1 << 20, "a positive number of MB up to 1048576"));
 
@@ -219,13 +236,13 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
       ->check(at_least(0, "an integer >= 0"));
   app.add_option("--min-compression-rate", ps.min_compression_rate(),
                  "PowerSGD compresses a matrix only when it saves at least this factor")
-      ->check(positive("a positive number"));
+      ->check(number(0, false, FLT_MAX, "a positive number up to 3.4e38"));
   bool no_error_feedback = false, no_warm_start = false;
   app.add_flag("--no-error-feedback", no_error_feedback, "PowerSGD: drop the compression error instead of carrying it");
   app.add_flag("--no-warm-start", no_warm_start, "PowerSGD: draw a fresh Q every step");
   app.add_option("--orthogonalization-epsilon", ps.orthogonalization_epsilon(),
                  "PowerSGD: added to column norms when orthogonalising")
-      ->check(at_least(0, "a number >= 0"));
+      ->check(number(0, true, FLT_MAX, "a number from 0 up to 3.4e38"));
   app.add_option("--powersgd-seed", ps.random_seed(), "PowerSGD: seed of Q's initial draws")->check(seed());
 
   try {
