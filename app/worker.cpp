@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <iostream>
 #include <memory>
+#include <set>
 
 #include "app/base/error_report.hpp"
 #include "app/base/files.hpp"
@@ -62,6 +63,30 @@ std::string restarts_belong_to(const std::string& launcher, int max_restarts) {
          "started the workers (" + launcher + "): " + advice;
 }
 
+// After a collective failed with `error`: who went silent, as the nodes
+// and ranks lost and the --timeout that ran out, in our words, Gloo's after.
+// Sets `echo` when another process's failure explains this one.
+std::string name_the_lost(const ProcessGroup& group, const Options& opts, const std::string& error, bool& echo) {
+  const bool nodes = group.local_world_size() < group.world_size();
+  const std::string waited = "no word within --timeout " + fmt::format("{:g}", opts.timeout) + " s";
+  const std::optional<std::vector<int>> silent = group.silent_ranks();
+  echo = !silent || !silent->empty();
+  if (!silent)  // nor does the store answer: its host, or the link to it, is gone
+    return "lost node " + std::to_string(group.node_of(0)) + " (rank 0 and the store it hosts): " + waited +
+           " from its ranks or its store; the link to it is down, or it hangs (" + error + ")";
+  if (silent->empty()) return error;
+  std::string who, where;
+  std::set<int> lost_nodes;
+  for (int r : *silent) {
+    who += (who.empty() ? "" : ", ") + std::to_string(r);
+    lost_nodes.insert(group.node_of(r));
+  }
+  for (int node : lost_nodes) where += (where.empty() ? "node " : ", node ") + std::to_string(node);
+  return "lost rank" + std::string(silent->size() > 1 ? "s " : " ") + who +
+         (*silent == std::vector<int>{0} ? " (the store's host)" : nodes ? " (" + where + ")" : "") + ": " + waited +
+         " (" + error + ")";
+}
+
 }  // namespace
 
 void configure_worker_process(int threads) {
@@ -113,6 +138,10 @@ int run_worker(const Options& opts, const Environment& env, const WorkerEnv& lau
       spdlog::warn("{}", overridden);
     if (!worker.ours() && opts.max_restarts > 0) spdlog::warn("{}", restarts_belong_to(worker.launcher, opts.max_restarts));
     const int preempted = Trainer(opts, run, *group).run();
+    if (preempted)  // not a failure: the launcher must not restart or blame this rank
+      report_worker_error(worker.error_report_fd,
+                          {worker.local_rank, false,
+                           "rank " + std::to_string(group->rank()) + " stopped on " + signal_name(preempted), true});
     return preempted ? 128 + preempted : 0;
   } catch (const UsageError& e) {
     message = e.what();
@@ -127,15 +156,7 @@ int run_worker(const Options& opts, const Environment& env, const WorkerEnv& lau
     // (or scheduler) already knows why; the peers' heartbeats take seconds.
     const bool collective = dynamic_cast<const c10::Error*>(&e) || dynamic_cast<const gloo::Exception*>(&e);
     echo = collective && preemption_signal() != 0;
-    if (collective && !echo && group && group->world_size() > 1) {
-      const std::vector<int> silent = group->silent_ranks();
-      std::string who;
-      for (int r : silent) who += (who.empty() ? "" : ", ") + std::to_string(r);
-      echo = !silent.empty();
-      if (echo)
-        message = "lost rank" + std::string(silent.size() > 1 ? "s " : " ") + who +
-                  (silent == std::vector<int>{0} ? " (the store's host)" : "") + ": " + message;
-    }
+    if (collective && !echo && group && group->world_size() > 1) message = name_the_lost(*group, opts, message, echo);
   }
   show_progress("");
   log_error_to_file(message);

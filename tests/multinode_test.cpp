@@ -55,6 +55,11 @@ TEST_F(MultiNode, TwoLaunchersOfDifferentSizesAndThreadCountsTrainAsOneJobUnderE
     EXPECT_NE(log.find("Replicas: all 3 ranks hold identical parameters"), std::string::npos) << compression << log;
     EXPECT_NE(log.find("Compression: " + compression + " "), std::string::npos) << log;
     EXPECT_FALSE(files::exists(out1 + "/mnist_train.log")) << "only rank 0 writes the log";
+    // Without a shared secret, node 0 says what a process that reaches the store can do.
+    EXPECT_NE(read_text(out0 + ".txt").find("takes any process that reaches it at its word: give every node the same "
+                                            "MNIST_DDP_SECRET"),
+              std::string::npos)
+        << read_text(out0 + ".txt");
   }
 }
 

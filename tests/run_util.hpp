@@ -146,6 +146,10 @@ class TwoHosts {
         return false;
     return true;
   }
+  // Takes the link between the hosts down (a partition), or up again.
+  bool set_link(bool up) const {
+    return sh("ip -n " + names_[0] + " link set " + devices_[0] + (up ? " up" : " down"));
+  }
   // `command` run inside host `host`.
   std::vector<std::string> in(int host, std::vector<std::string> command) const {
     command.insert(command.begin(), {"ip", "netns", "exec", names_[host]});

@@ -7,11 +7,16 @@
 #include <unistd.h>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <fcntl.h>
+#include <sys/mman.h>
 
 #include <chrono>
 #include <thread>
 
 #include "comm/shared_memory.hpp"
+#include "mnist_ddp/comm/store.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -150,6 +155,45 @@ TEST(SharedMemory, APeerWhoseProcessEndedIsNamedAtOnce) {
   ASSERT_EQ(waitpid(child, &status, 0), child);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child could not join";
   EXPECT_EQ(segments_of_this_process(), 0) << "a segment was left in /dev/shm";
+}
+
+}  // namespace
+}  // namespace mnist_ddp
+
+namespace mnist_ddp {
+namespace {
+
+// The segment's name comes through the store, which any process that
+// reaches it may write: a name rank 0 could not have made, or a segment
+// that is not rank 0's (another user's, another size), is named as a
+// foreign value, never opened for use.
+TEST(SharedMemory, ASegmentNameNoRankWroteIsNamedNotOpened) {
+  const std::string foreign = "another process is writing into this job's store";
+  for (const std::string name : {"/mnist_ddp.evil", "/../../etc/passwd", "/mnist_ddp.1.0000000g"}) {
+    c10d::HashStore store;
+    store.set("shared_memory", bytes_of(name));
+    try {
+      SharedMemoryReducer(store, 1, 2, 2s, [] {});
+      ADD_FAILURE() << name << " was taken";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(foreign), std::string::npos) << e.what();
+    }
+  }
+  // A well-formed name whose segment is not the one rank 0 made: another size.
+  const std::string name = "/mnist_ddp." + std::to_string(getpid()) + ".0badf00d";
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  c10d::HashStore store;
+  store.set("shared_memory", bytes_of(name));
+  try {
+    SharedMemoryReducer(store, 1, 2, 2s, [] {});
+    ADD_FAILURE() << "a segment of another size was taken";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(foreign), std::string::npos) << e.what();
+  }
+  shm_unlink(name.c_str());
 }
 
 }  // namespace

@@ -20,12 +20,14 @@ constexpr double kLargest = DBL_MAX;
 // Validators whose messages say what is allowed. CLI11 prefixes the flag name.
 // Every number must be finite and at most `max`: "inf" or "1e17" seconds
 // would overflow the milliseconds and deadlines made of them.
-CLI::Validator number(double min, bool min_allowed, double max, const std::string& what) {
+CLI::Validator number(double min, bool min_allowed, double max, const std::string& what,
+                      const std::string& bound = "") {
   return CLI::Validator(
       [=](std::string& s) -> std::string {
         double v = 0;
-        if (!CLI::detail::lexical_cast(s, v) || !std::isfinite(v) || !(min_allowed ? v >= min : v > min) || v > max)
-          return "must be " + what + ", got '" + s + "'";
+        if (!CLI::detail::lexical_cast(s, v)) return "must be " + what + ", got '" + s + "'";
+        if (!std::isfinite(v) || !(min_allowed ? v >= min : v > min) || v > max)
+          return "must be " + what + (bound.empty() ? "" : " " + bound) + ", got '" + s + "'";
         return "";
       },
       what);
@@ -195,10 +197,10 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
   app.add_option("--epochs", o.epochs, "Passes over the training set")->check(positive("a positive integer"));
   // The optimizer's numbers meet float32 tensors: at most float32's largest.
   app.add_option("--lr", o.lr, "Initial learning rate (cosine-annealed to 0 over --epochs)")
-      ->check(number(0, false, FLT_MAX, "a positive number up to 3.4e38"));
-  app.add_option("--momentum", o.momentum, "SGD momentum")->check(number(0, true, FLT_MAX, "a number from 0 up to 3.4e38"));
+      ->check(number(0, false, FLT_MAX, "a positive number", "up to 3.4e38"));
+  app.add_option("--momentum", o.momentum, "SGD momentum")->check(number(0, true, FLT_MAX, "a number >= 0", "up to 3.4e38"));
   app.add_option("--weight-decay,--wd", o.weight_decay, "SGD weight decay (L2 penalty)")
-      ->check(number(0, true, FLT_MAX, "a number from 0 up to 3.4e38"));
+      ->check(number(0, true, FLT_MAX, "a number >= 0", "up to 3.4e38"));
   app.add_option("--workers", o.workers,
                  "Ignored, so the reference's command lines run: batches are sliced from data held in memory, "
                  "with no loader processes")
@@ -236,13 +238,13 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
       ->check(at_least(0, "an integer >= 0"));
   app.add_option("--min-compression-rate", ps.min_compression_rate(),
                  "PowerSGD compresses a matrix only when it saves at least this factor")
-      ->check(number(0, false, FLT_MAX, "a positive number up to 3.4e38"));
+      ->check(number(0, false, FLT_MAX, "a positive number", "up to 3.4e38"));
   bool no_error_feedback = false, no_warm_start = false;
   app.add_flag("--no-error-feedback", no_error_feedback, "PowerSGD: drop the compression error instead of carrying it");
   app.add_flag("--no-warm-start", no_warm_start, "PowerSGD: draw a fresh Q every step");
   app.add_option("--orthogonalization-epsilon", ps.orthogonalization_epsilon(),
                  "PowerSGD: added to column norms when orthogonalising")
-      ->check(number(0, true, FLT_MAX, "a number from 0 up to 3.4e38"));
+      ->check(number(0, true, FLT_MAX, "a number >= 0", "up to 3.4e38"));
   app.add_option("--powersgd-seed", ps.random_seed(), "PowerSGD: seed of Q's initial draws")->check(seed());
 
   try {

@@ -3,6 +3,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
 #include <chrono>
 #include <iostream>
 #include <memory>
@@ -17,6 +19,7 @@
 #include "app/train/checkpoint.hpp"
 #include "app/train/data.hpp"
 #include "app/train/model.hpp"
+#include "app/train/preemption.hpp"
 #include "app/train/resume.hpp"
 
 namespace mnist_ddp {
@@ -40,7 +43,10 @@ class Launcher {
   Launcher(const Options& opts, const Placement& placement, const Environment& env, Workers workers,
            const sigset_t& original_mask)
       : opts_(opts), placement_(placement), env_(env), workers_(std::move(workers)), supervisor_(original_mask) {}
-  ~Launcher() { close_store(store_); }  // never waits on a stalled store (store.hpp)
+  ~Launcher() {
+    rounds_.reset();  // holds the store too: close_store() must let go of the last reference
+    close_store(store_);  // never waits on a stalled store (store.hpp)
+  }
 
   int run() {
     // What a worker holds, measured: 63 MB of its own, and the data set.
@@ -49,15 +55,31 @@ class Launcher {
     check_workers_fit(opts_, placement_, data, static_cast<int>(std::thread::hardware_concurrency()),
                       available_memory());
     if (const int code = open_job_store(); code >= 0) return code;
-    RestartRounds rounds(store_, opts_.node_rank, opts_.nnodes, timeout());
+    // Every key of the job under a prefix no other process can name (store.hpp,
+    // "Note on neighbours"): drawn here for one node, from the secret for several.
+    prefix_ = !env_.secret.empty() ? prefix_for_secret(env_.secret) : opts_.nnodes == 1 ? random_prefix() : "";
+    if (prefix_.empty() && opts_.node_rank == 0)
+      std::cerr << "mnist_ddp: warning: the store at " << opts_.master_addr << ":" << store_->getPort()
+                << " takes any process that reaches it at its word: give every node the same MNIST_DDP_SECRET "
+                   "(docs/clusters.md)"
+                << std::endl;
+    StorePtr job_store = store_;
+    if (!prefix_.empty()) job_store = c10::make_intrusive<c10d::PrefixStore>(prefix_, store_);
+    rounds_ = std::make_unique<RestartRounds>(job_store, opts_.node_rank, opts_.nnodes, timeout());
+    RestartRounds& rounds = *rounds_;
     std::vector<std::string> argv = workers_.argv;
     double launched = env_.launch_time;
     for (int round = 0;; ++round) {
+      round_ = round;
       const int code = supervise(rounds, round, start_workers(round, argv, launched));
       const bool again = code != 0 && !interrupted_ && code != 2 && round < opts_.max_restarts;
       RestartRounds::Outcome next{again, failure_};
       if (again) next = rounds.join(round + 1, failure_, [this] { return signalled(100); });
       if (!next.start) {
+        if (code == 0) {  // a clean end, after restarts or none: no error to tell
+          if (round > 0) std::cout << "mnist_ddp: the job finished after " << round << " restart(s)" << std::endl;
+          return 0;
+        }
         failure_ = next.why;
         if (!failure_.empty())
           std::cerr << "mnist_ddp: error: " << failure_
@@ -119,6 +141,7 @@ class Launcher {
       w.nnodes = opts_.nnodes;
       w.master_addr = opts_.master_addr;
       w.master_port = static_cast<int>(store_->getPort());
+      w.store_prefix = prefix_;
       w.round = round;
       w.backend = placement_.backend;
       w.device = device_of_local_rank(placement_, r);
@@ -156,6 +179,7 @@ class Launcher {
   }
 
   int on_failure(const Supervisor::Failure& failure, int round) {
+    if (failure.report && failure.report->preempted) return on_preempted(failure, round);
     failure_ = failure.report ? failure.report->message
                               : "worker " + std::string(opts_.nnodes > 1 ? "local rank " : "rank ") +
                                     std::to_string(failure.index) + " (pid " + std::to_string(failure.pid) + ") " +
@@ -170,14 +194,35 @@ class Launcher {
     return exit_code_of(failure.status);
   }
 
+  // The workers stopped on a preemption signal that reached them, not this
+  // launcher (a scheduler signals the workers, or another node's launcher
+  // was signalled and every rank stopped with it): not a failure, and
+  // never restarted. Returns the exit code, 128 + the signal.
+  int on_preempted(const Supervisor::Failure& failure, int round) {
+    interrupted_ = true;
+    const int sig = exit_code_of(failure.status) - 128;
+    supervisor_.stop(sig, kPreemptionGrace);  // the others stop after the same step
+    const std::optional<std::string> node = rounds_->preempted(round, std::chrono::seconds(2));
+    std::cout << "mnist_ddp: "
+              << (node ? node->substr(0, node->find(':')) + " was preempted (" + signal_name(sig) + " to its launcher)"
+                       : "the workers were preempted (" + signal_name(sig) + ")")
+              << ": every rank stopped after the step they agreed on"
+              << (workers_.ours ? ", checkpointed in " + checkpoint_dir(opts_) + "; --resume auto goes on from there"
+                                : "")
+              << std::endl;
+    failure_.clear();
+    return 128 + sig;
+  }
+
   // A signal to the launcher: preemption is passed on, anything else stops
   // the workers. Returns the exit code.
   int on_signal(int sig) {
     interrupted_ = true;
     if (isatty(STDERR_FILENO)) std::cerr << "\r\033[K";  // rank 0's progress line
     if (sig == SIGTERM || sig == SIGUSR1) {  // preemption: keep the step the workers are on
-      std::cout << "mnist_ddp: " << (sig == SIGTERM ? "SIGTERM" : "SIGUSR1")
+      std::cout << "mnist_ddp: " << signal_name(sig)
                 << " received: the workers checkpoint the step they are on, then stop" << std::endl;
+      if (rounds_) rounds_->preempt(round_, signal_name(sig));
       supervisor_.stop(sig, kPreemptionGrace);
     } else {
       std::cout << "KeyboardInterrupt received. Terminating processes..." << std::endl;
@@ -216,8 +261,11 @@ class Launcher {
   const Workers workers_;
   Supervisor supervisor_;
   c10::intrusive_ptr<c10d::TCPStore> store_;
+  std::string prefix_;  // of every key of the job in the store
   std::string failure_;       // why the workers last failed, for the user
-  bool interrupted_ = false;  // by a signal to the launcher: no restart
+  bool interrupted_ = false;  // by a signal to the launcher, or a preemption: no restart
+  std::unique_ptr<RestartRounds> rounds_;  // once the store is open
+  int round_ = 0;                          // the round running
 };
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <cstdlib>
+#include <thread>
 
 namespace mnist_ddp {
 namespace {
@@ -78,6 +79,29 @@ RestartRounds::Outcome RestartRounds::join(int round, const std::string& cause,
   } catch (const std::exception&) {
     store_lost_ = true;
     return {false, "lost the rendezvous store on node 0 (its launcher stopped) while restarting after " + why};
+  }
+}
+
+void RestartRounds::preempt(int round, const std::string& signal) {
+  if (nnodes_ == 1 || store_lost_) return;
+  try {
+    poll_.compare_set("preempted/" + std::to_string(round), "", "node " + std::to_string(node_rank_) + ": " + signal);
+  } catch (const std::exception&) {
+  }
+}
+
+std::optional<std::string> RestartRounds::preempted(int round, std::chrono::milliseconds wait) {
+  if (nnodes_ == 1 || store_lost_) return std::nullopt;
+  const std::string key = "preempted/" + std::to_string(round);
+  const auto deadline = std::chrono::steady_clock::now() + wait;
+  try {
+    for (;;) {
+      if (poll_.check({key})) return from_a_node(poll_.get(key));
+      if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  } catch (const std::exception&) {
+    return std::nullopt;
   }
 }
 

@@ -6,6 +6,8 @@
 //   restart/<n>/cause     set by the first launcher that asks for it: why
 //   restart/<n>/node/<k>  node k's workers are stopped and it is ready
 //   restart/<n>/refused   set by a node that will not take part: why
+//   preempted/<n>         set by a node whose launcher a preemption signal
+//                         reached during round n: "node <k>: SIGTERM"
 // A round starts once every node is ready; it does not start when a node
 // refuses, or does not answer within the timeout.
 //
@@ -54,6 +56,12 @@ class RestartRounds {
 
   // Tells the other nodes that this one will not take part in round `round`.
   void refuse(int round, const std::string& why);
+
+  // Tells the other nodes that a preemption signal (`signal`: "SIGTERM")
+  // reached this node's launcher during round `round`; and which node's
+  // did, if one said so within `wait` (nullopt otherwise).
+  void preempt(int round, const std::string& signal);
+  std::optional<std::string> preempted(int round, std::chrono::milliseconds wait);
 
  private:
   std::string key(int round, const std::string& what) const;

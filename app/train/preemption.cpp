@@ -21,6 +21,10 @@ void catch_preemption_signals() {
   for (int sig : {SIGTERM, SIGUSR1}) sigaction(sig, &action, nullptr);
 }
 
+std::string signal_name(int sig) {
+  return sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" : "signal " + std::to_string(sig);
+}
+
 int preemption_signal() { return g_preemption_signal; }
 
 int StopVote::after_step() {

@@ -10,6 +10,8 @@
 
 #include <torch/torch.h>
 
+#include <string>
+
 #include "mnist_ddp/comm/process_group.hpp"
 
 namespace mnist_ddp {
@@ -17,6 +19,8 @@ namespace mnist_ddp {
 void catch_preemption_signals();
 // The preemption signal this process has caught, or 0.
 int preemption_signal();
+// "SIGTERM", "SIGUSR1", or "signal N".
+std::string signal_name(int sig);
 
 class StopVote {
  public:

@@ -43,6 +43,7 @@ std::vector<std::pair<std::string, at::Generator>> generators(const ProcessGroup
 // "rank/<r>/rng/cpu", "rank/<r>/rng/cuda", "rank/<r>/hook/<name>".
 const std::string kMomentum = "optimizer/momentum/";
 const std::string kHook = "hook/";
+const std::string kThreads = "threads";  // the rank's intra-op threads: they split, and so round, its sums
 std::string rank_prefix(int rank) { return "rank/" + std::to_string(rank) + "/"; }
 
 // What only this rank has, named as under its rank_prefix.
@@ -53,6 +54,7 @@ std::vector<std::pair<std::string, torch::Tensor>> own_state(const TrainingParts
     own.emplace_back(name, g.get_state());
   }
   for (const auto& [key, value] : parts.hook.state().own) own.emplace_back(kHook + key, value);
+  own.emplace_back(kThreads, torch::tensor(static_cast<int64_t>(at::get_num_threads())));
   return own;
 }
 
@@ -176,6 +178,20 @@ Position restore(const Checkpoint& c, const TrainingParts& parts, const Options&
     state[optimizer_key(state, p.value())] = std::move(s);
   }
   const std::string own = rank_prefix(group.rank());
+  // A rank's sums are split, and rounded, by its thread count: with another
+  // count the run goes on, but not bit-identical to one never stopped.
+  auto other_threads = torch::zeros({1}, torch::kFloat64);
+  if (same_world && c.training.contains(own + kThreads) &&
+      c.training.at(own + kThreads).item<int64_t>() != at::get_num_threads())
+    other_threads.fill_(1);
+  other_threads = other_threads.to(group.device());
+  group.quick()->allreduce_sum(other_threads);
+  if (group.rank() == 0 && other_threads.cpu().item<double>() > 0)
+    spdlog::warn("The checkpoint was written with {} intra-op thread(s) on rank 0 and this run has {} ({} rank(s) "
+                 "differ): it goes on from the checkpoint, but will not end bit-identical to a run never stopped, "
+                 "whose sums were split by the other count (OMP_NUM_THREADS)",
+                 c.training.contains(own + kThreads) ? c.training.at(own + kThreads).item<int64_t>() : 0,
+                 at::get_num_threads(), static_cast<int>(other_threads.cpu().item<double>()));
   if (same_world) {
     for (auto& [name, g] : generators(group)) {
       std::lock_guard<std::mutex> lock(g.mutex());

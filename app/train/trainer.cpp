@@ -137,7 +137,9 @@ Trainer::Trainer(const Options& opts, const RunContext& run, ProcessGroup& group
   optimizer_ = std::make_unique<torch::optim::SGD>(
       ddp_->module()->parameters(), torch::optim::SGDOptions(opts.lr).momentum(opts.momentum).weight_decay(opts.weight_decay));
   if (resumed) at_ = restore(*resumed, parts(), opts, group);
-  if (group.rank() == 0) {
+  // A finished run resumed trains nothing, and touches none of its files.
+  finished_ = resumed && (at_.epoch >= opts.epochs || max_steps_reached());
+  if (group.rank() == 0 && !finished_) {
     dir_.emplace(opts.path);
     metrics_.emplace(*dir_, resumed ? at_.step : -1);
     std::optional<ResumedFrom> from;
@@ -149,7 +151,14 @@ Trainer::Trainer(const Options& opts, const RunContext& run, ProcessGroup& group
 
 int Trainer::run() {
   catch_preemption_signals();
-  if (at_.epoch >= opts_.epochs) spdlog::info("The checkpoint has finished all {} epochs: nothing to train", opts_.epochs);
+  if (finished_) {
+    spdlog::info("Nothing to train: the checkpoint in {} has finished {}; every file is left as it was",
+                 resume_dir(opts_),
+                 at_.epoch >= opts_.epochs ? "all " + std::to_string(opts_.epochs) + " epochs"
+                                           : "its --max-steps " + std::to_string(opts_.max_steps) + " steps");
+    group_.stream()->barrier();
+    return 0;
+  }
   for (int64_t epoch = at_.epoch; epoch < opts_.epochs && !max_steps_reached(); ++epoch) {
     static_cast<torch::optim::SGDOptions&>(optimizer_->param_groups()[0].options()).lr(cosine_lr(opts_, epoch));
     EpochReport report = train_epoch(epoch);
@@ -173,9 +182,9 @@ int Trainer::stop(int sig) {
   save_checkpoint();
   spdlog::info("Preempted by {}: every rank stopped after step {} (epoch {}, batch {}); --resume auto continues from "
                "its checkpoint",
-               sig == SIGTERM ? "SIGTERM" : "SIGUSR1", at_.step, at_.epoch, at_.batch);
+               signal_name(sig), at_.step, at_.epoch, at_.batch);
   if (summary_) {
-    summary_->set("preempted", Json(sig == SIGTERM ? "SIGTERM" : "SIGUSR1"));
+    summary_->set("preempted", Json(signal_name(sig)));
     summary_->write();
   }
   group_.stream()->barrier();  // nobody leaves while a peer still needs the store

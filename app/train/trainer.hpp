@@ -78,6 +78,7 @@ class Trainer {
   StepStats stats_;
   int replica_checks_ = 0;
   int stop_signal_ = 0;  // the preemption signal the ranks agreed to stop on
+  bool finished_ = false;  // resumed from a checkpoint that has nothing left to train
   std::optional<files::RunDirectory> dir_;  // rank 0: --path
   std::optional<MetricsFile> metrics_;  // rank 0
   std::optional<RunSummary> summary_;   // rank 0

@@ -9,7 +9,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <set>
 #include <sstream>
 
@@ -26,7 +28,7 @@ const double g_process_start = unix_seconds();
 const std::set<std::string> kLauncherVariables = {
     "RANK",          "LOCAL_RANK",     "WORLD_SIZE",         "LOCAL_WORLD_SIZE",      "GROUP_RANK",
     "MASTER_ADDR",   "MASTER_PORT",    "MNIST_DDP_NNODES",   "MNIST_DDP_ROUND",       "MNIST_DDP_ERROR_FD",
-    "MNIST_DDP_LAUNCH_TIME", "MNIST_DDP_BACKEND", "MNIST_DDP_DEVICE", "NODE_RANK"};
+    "MNIST_DDP_LAUNCH_TIME", "MNIST_DDP_BACKEND", "MNIST_DDP_DEVICE", "NODE_RANK", "MNIST_DDP_STORE_PREFIX"};
 
 // Reads integers out of an Environment, naming the variable when one is malformed.
 class Reader {
@@ -93,6 +95,17 @@ Environment environment_from(const std::vector<std::string>& variables, double p
   const std::string launched = read.text("MNIST_DDP_LAUNCH_TIME");
   env.launch_time = launched.empty() ? process_start : std::atof(launched.c_str());
   env.dumb_terminal = read.text("TERM") == "dumb";
+  env.secret = read.text("MNIST_DDP_SECRET");
+  if (const std::string file = read.text("MNIST_DDP_SECRET_FILE"); env.secret.empty() && !file.empty()) {
+    std::ifstream in(file, std::ios::binary);
+    std::string secret((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r')) secret.pop_back();
+    if (!in.good() && !in.eof()) secret.clear();
+    if (secret.empty())
+      throw UsageError("environment: MNIST_DDP_SECRET_FILE=" + file + " cannot be read or is empty: give every "
+                       "node of the job the same file, holding the job's secret");
+    env.secret = secret;
+  }
   env.libtorch_log_level = read.has("GLOG_minloglevel");
   return env;
 }
@@ -128,6 +141,7 @@ WorkerEnv ours(const Reader& env) {
   w.master_addr = env.text("MASTER_ADDR", "127.0.0.1");
   w.master_port = env.integer("MASTER_PORT", std::nullopt);
   w.round = env.integer("MNIST_DDP_ROUND", std::nullopt);
+  w.store_prefix = env.text("MNIST_DDP_STORE_PREFIX");
   w.restart = w.round;
   w.backend = env.text("MNIST_DDP_BACKEND", "gloo");
   w.device = env.has("MNIST_DDP_DEVICE") ? env.integer("MNIST_DDP_DEVICE", std::nullopt) : -1;
@@ -236,6 +250,7 @@ std::optional<WorkerEnv> launched_worker(const Environment& environment) {
     return std::nullopt;
   }
   w.error_report_fd = env.integer("MNIST_DDP_ERROR_FD", -1);
+  w.secret = environment.secret;
   if (w.rank >= 0 && (w.world_size < 1 || w.rank >= w.world_size))
     throw UsageError("environment: RANK=" + std::to_string(w.rank) + " is not below WORLD_SIZE=" +
                      std::to_string(w.world_size));
@@ -323,6 +338,7 @@ std::vector<std::string> worker_environment(const WorkerEnv& env, const std::vec
   out.push_back("MASTER_ADDR=" + env.master_addr);
   out.push_back("MASTER_PORT=" + std::to_string(env.master_port));
   out.push_back("MNIST_DDP_ROUND=" + std::to_string(env.round));
+  if (!env.store_prefix.empty()) out.push_back("MNIST_DDP_STORE_PREFIX=" + env.store_prefix);
   if (!env.backend.empty()) out.push_back("MNIST_DDP_BACKEND=" + env.backend);
   if (env.device >= 0) out.push_back("MNIST_DDP_DEVICE=" + std::to_string(env.device));
   if (env.error_report_fd >= 0) out.push_back("MNIST_DDP_ERROR_FD=" + std::to_string(env.error_report_fd));

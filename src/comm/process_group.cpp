@@ -138,6 +138,7 @@ struct ProcessGroup::State {
   std::shared_ptr<Heartbeat> heartbeat;
   mutable int streams_made = 0;  // by new_stream(), for their store prefixes
   mutable int models = 0;        // model_stream()s handed out
+  std::vector<int> node_of_rank;  // where our launcher's nodes placed each rank; empty: uniform
 };
 
 int ProcessGroup::rank() const { return state_->rank; }
@@ -169,7 +170,13 @@ std::shared_ptr<CollectiveStream> ProcessGroup::model_stream() const {
   return state_->models++ == 0 ? state_->stream : new_stream();
 }
 
-std::vector<int> ProcessGroup::silent_ranks() const {
+int ProcessGroup::node_of(int rank) const {
+  const auto& nodes = state_->node_of_rank;
+  if (rank >= 0 && rank < static_cast<int>(nodes.size())) return nodes[static_cast<size_t>(rank)];
+  return rank / std::max(1, state_->local_world_size);
+}
+
+std::optional<std::vector<int>> ProcessGroup::silent_ranks() const {
   const State& s = *state_;
   const StoreClient client(s.store, std::min<std::chrono::milliseconds>(s.timeout, std::chrono::seconds(5)),
                            "the store");
@@ -189,7 +196,7 @@ std::vector<int> ProcessGroup::silent_ranks() const {
     for (int r = 0; r < s.world_size; ++r)
       if (r != s.rank && before[r] == after[r]) silent.push_back(r);
   } catch (const StoreStalled&) {
-    // A stalled store says nothing about who is gone.
+    return std::nullopt;  // a stalled store says nothing about who is gone
   } catch (const std::exception&) {
     silent = {0};
   }
@@ -309,8 +316,8 @@ ProcessGroup init_process_group(const WorkerEnv& launched, const ProcessGroupOpt
   const auto [store, restart] = open_job_store(env, timeout);
   const StoreClient client(store, timeout,
                            "the rendezvous store at " + env.master_addr + ":" + std::to_string(env.master_port));
-  const auto [rank, world_size] = env.rank < 0 ? agree_on_ranks(client, env, timeout)
-                                               : std::pair<int, int>{env.rank, env.world_size};
+  const RankPlan plan = env.rank < 0 ? agree_on_ranks(client, env, timeout) : RankPlan{env.rank, env.world_size, {}};
+  const int rank = plan.rank, world_size = plan.world_size;
   check_settings(client, rank, world_size, options.settings(), timeout);
   // A CPU job on one host sums through shared memory (shared_memory.hpp).
   const bool one_host = world_size == env.local_world_size;
@@ -319,6 +326,7 @@ ProcessGroup init_process_group(const WorkerEnv& launched, const ProcessGroupOpt
   state->local_rank = env.local_rank;
   state->local_world_size = env.local_world_size;
   state->launcher = env.launcher;
+  state->node_of_rank = plan.node_of_rank;
   ProcessGroup group(state);
   return made_default(group, state);
 }

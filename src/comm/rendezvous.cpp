@@ -55,15 +55,23 @@ namespace {
 
 // Waits for `keys`; on timeout throws `describe(missing keys)`; a store
 // that stopped answering is StoreStalled, one that went away PeerLost.
+// `check`, if given, runs about once a second while waiting, to fail early.
 void wait_for(const StoreClient& store, const std::vector<std::string>& keys, std::chrono::milliseconds timeout,
-              const std::function<std::string(const std::vector<std::string>&)>& describe) {
-  std::vector<std::string> missing;
-  try {
-    missing = store.wait(keys, timeout);
-  } catch (const StoreStalled&) {
-    throw;
-  } catch (const std::exception& e) {
-    throw store_lost(e);
+              const std::function<std::string(const std::vector<std::string>&)>& describe,
+              const std::function<void()>& check = nullptr) {
+  std::vector<std::string> missing = keys;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    try {
+      missing = store.wait(missing, check ? std::min<std::chrono::milliseconds>(left, std::chrono::seconds(1)) : left);
+    } catch (const StoreStalled&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw store_lost(e);
+    }
+    if (check) check();
+    if (missing.empty() || std::chrono::steady_clock::now() >= deadline) break;
   }
   if (!missing.empty()) throw std::runtime_error(describe(missing));
 }
@@ -144,18 +152,25 @@ std::pair<StorePtr, int> open_job_store(const WorkerEnv& env, std::chrono::milli
     throw std::runtime_error("MASTER_PORT " + std::to_string(env.master_port) + " is already in use on " +
                              env.master_addr + ": export MASTER_PORT with a free port for this job");
   }
-  if (env.ours()) return {c10::make_intrusive<c10d::PrefixStore>("round/" + std::to_string(env.round), store), env.round};
-  if (!env.agent_store) return {store, env.restart};
+  // The job's own keys live under a prefix nobody else can name (store.hpp,
+  // "Note on neighbours"): our launcher's, or one derived from the secret.
+  const std::string prefix = env.ours() ? env.store_prefix : env.secret.empty() ? "" : prefix_for_secret(env.secret);
+  auto under = [&](const std::string& name) -> StorePtr {
+    return c10::make_intrusive<c10d::PrefixStore>(prefix.empty() ? name : prefix + "/" + name, store);
+  };
+  if (env.ours()) return {under("round/" + std::to_string(env.round)), env.round};
+  if (!env.agent_store) return {prefix.empty() ? store : under("job"), env.restart};
   const StoreClient client(store, timeout,
                            "torchrun's store at " + env.master_addr + ":" + std::to_string(env.master_port));
-  const int start = static_cast<int>(client.add("mnist_ddp/starts/rank_" + std::to_string(env.rank), 1)) - 1;
-  return {c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(start), store), start};
+  const std::string starts = (prefix.empty() ? "" : prefix + "/") + "mnist_ddp/starts/rank_" + std::to_string(env.rank);
+  const int start = static_cast<int>(client.add(starts, 1)) - 1;
+  return {under("/worker/attempt_" + std::to_string(start)), start};
 }
 
 // This rank's place among the nodes' workers when the launcher left it open:
 // each node's local rank 0 claims its node rank and announces its worker
 // count; node 0's ranks come first. Returns (rank, world size).
-std::pair<int, int> agree_on_ranks(const StoreClient& store, const WorkerEnv& env, std::chrono::milliseconds timeout) {
+RankPlan agree_on_ranks(const StoreClient& store, const WorkerEnv& env, std::chrono::milliseconds timeout) {
   const std::string me = "nodes/" + std::to_string(env.node_rank);
   if (env.local_rank == 0) {
     const std::string mine = this_launchers_claim(), key = me + "/claim";
@@ -167,26 +182,52 @@ std::pair<int, int> agree_on_ranks(const StoreClient& store, const WorkerEnv& en
                                ") also started with --node-rank " + std::to_string(env.node_rank) +
                                "; give each node its own");
     if (held != mine) throw foreign_value(store, key, held);
+    store.set(me + "/nnodes", std::to_string(env.nnodes));
     store.set(me + "/size", std::to_string(env.local_world_size));
   }
   std::vector<std::string> keys;
   for (int k = 0; k < env.nnodes; ++k) keys.push_back("nodes/" + std::to_string(k) + "/size");
-  wait_for(store, keys, timeout, [&](const std::vector<std::string>& missing) {
-    return "node " + numbers_in(missing) + " of " + std::to_string(env.nnodes) + " never joined within " +
-           std::to_string(timeout.count() / 1000) + " s: start mnist_ddp there with --nnodes " +
-           std::to_string(env.nnodes) + " --node-rank <its rank> --master-addr " + env.master_addr +
-           " --master-port " + std::to_string(env.master_port);
-  });
-  int world_size = 0, first = 0;  // first: this node's first rank
+  // A node started with another node count would wait for nodes that never
+  // come, or leave one out: named as soon as its count is seen.
+  auto same_node_count = [&] {
+    for (int k = 0; k < env.nnodes; ++k) {
+      const std::string key = "nodes/" + std::to_string(k) + "/nnodes";
+      if (k == env.node_rank || !store.check({key})) continue;
+      const std::string text = store.get(key);
+      char* end = nullptr;
+      const long n = std::strtol(text.c_str(), &end, 10);
+      if (text.empty() || *end || n < 1 || n > (1 << 20)) throw foreign_value(store, key, text);
+      if (n != env.nnodes)
+        throw UsageError("the nodes disagree on the job's size: node " + std::to_string(env.node_rank) +
+                         " was started with --nnodes " + std::to_string(env.nnodes) + ", node " + std::to_string(k) +
+                         " with --nnodes " + std::to_string(n) + "; give every node the same");
+    }
+  };
+  wait_for(
+      store, keys, timeout,
+      [&](const std::vector<std::string>& missing) {
+        return "node " + numbers_in(missing) + " of " + std::to_string(env.nnodes) + " never joined within " +
+               std::to_string(timeout.count() / 1000) + " s: start mnist_ddp there with --nnodes " +
+               std::to_string(env.nnodes) + " --node-rank <its rank> --master-addr " + env.master_addr +
+               " --master-port " + std::to_string(env.master_port);
+      },
+      env.nnodes > 1 ? std::function<void()>(same_node_count) : nullptr);
+  RankPlan plan;
+  int first = 0;  // this node's first rank
   for (int k = 0; k < env.nnodes; ++k) {
     const std::string text = store.get(keys[k]);
     char* end = nullptr;
     const long size = std::strtol(text.c_str(), &end, 10);
     if (text.empty() || *end || size < 1 || size > (1 << 20)) throw foreign_value(store, keys[k], text);
     if (k < env.node_rank) first += static_cast<int>(size);
-    world_size += static_cast<int>(size);
+    plan.node_of_rank.insert(plan.node_of_rank.end(), static_cast<size_t>(size), k);
   }
-  return {first + env.local_rank, world_size};
+  // This node's count is the one its launcher gave its workers, whoever wrote the key.
+  const auto mine = std::count(plan.node_of_rank.begin(), plan.node_of_rank.end(), env.node_rank);
+  if (mine != env.local_world_size) throw foreign_value(store, me + "/size", store.get(me + "/size"));
+  plan.rank = first + env.local_rank;
+  plan.world_size = static_cast<int>(plan.node_of_rank.size());
+  return plan;
 }
 
 // Rank 0 checks everyone's settings, everyone checks rank 0's.

@@ -6,6 +6,7 @@
 #include <exception>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "mnist_ddp/base/environment.hpp"
 #include "mnist_ddp/base/errors.hpp"
@@ -27,8 +28,14 @@ std::string local_address_towards(const std::string& host);
 std::pair<StorePtr, int> open_job_store(const WorkerEnv& env, std::chrono::milliseconds timeout);
 
 // This rank's place among the nodes' workers when the launcher left it
-// open. Returns (rank, world size).
-std::pair<int, int> agree_on_ranks(const StoreClient& store, const WorkerEnv& env, std::chrono::milliseconds timeout);
+// open: each node's local rank 0 claims its node rank and announces its
+// worker count and node count; node 0's ranks come first. A node started
+// with another node count is named as soon as it is seen.
+struct RankPlan {
+  int rank = 0, world_size = 1;
+  std::vector<int> node_of_rank;
+};
+RankPlan agree_on_ranks(const StoreClient& store, const WorkerEnv& env, std::chrono::milliseconds timeout);
 
 // Rank 0 checks everyone's settings, everyone checks rank 0's: a
 // difference is one error naming the setting and both values.

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -90,6 +91,24 @@ std::string segment_name() {
   return name;
 }
 
+// Whether `name` is one segment_name() makes: "/mnist_ddp.<pid>.<8 hex digits>".
+bool is_segment_name(const std::string& name) {
+  const std::string head = "/mnist_ddp.";
+  if (name.compare(0, head.size(), head) != 0 || name.size() > 64) return false;
+  const size_t dot = name.find('.', head.size());
+  if (dot == std::string::npos || dot == head.size() || name.size() - dot - 1 != 8) return false;
+  for (size_t i = head.size(); i < name.size(); ++i)
+    if (i != dot && !std::isxdigit(static_cast<unsigned char>(name[i]))) return false;
+  return std::all_of(name.begin() + static_cast<long>(head.size()), name.begin() + static_cast<long>(dot), ::isdigit);
+}
+
+std::runtime_error foreign_segment(const std::string& value) {
+  std::string shown;
+  for (char c : value.substr(0, 40)) shown += std::isprint(static_cast<unsigned char>(c)) ? c : '?';
+  return std::runtime_error("the store holds '" + shown + "' for the ranks' shared memory, which no mnist_ddp "
+                            "wrote: another process is writing into this job's store");
+}
+
 std::runtime_error segment_error(const std::string& what, const std::string& name, int error) {
   return std::runtime_error("shared memory for the ranks on this host: " + what + " /dev/shm" + name + ": " +
                             std::strerror(error));
@@ -140,8 +159,15 @@ SharedMemoryReducer::SharedMemoryReducer(c10d::Store& store, int rank, int world
   } else {
     store.wait({"shared_memory"}, timeout);
     name = text_of(store.get("shared_memory"));
-    fd = shm_open(name.c_str(), O_RDWR, 0600);
+    if (!is_segment_name(name)) throw foreign_segment(name);
+    fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0600);
     if (fd < 0) throw segment_error("cannot open", name, errno);
+    // Rank 0's: this user's, of the size it made.
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_uid != geteuid() || static_cast<size_t>(st.st_size) != size_) {
+      close(fd);
+      throw foreign_segment(name);
+    }
   }
   void* mapped = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int mmap_errno = errno;

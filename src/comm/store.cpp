@@ -7,9 +7,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <c10/util/hash.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <exception>
+#include <random>
 
 #include "mnist_ddp/base/errors.hpp"
 #include "mnist_ddp/base/port.hpp"
@@ -213,6 +216,17 @@ void close_store(c10::intrusive_ptr<c10d::TCPStore>& store) {
 }
 
 std::string store_kind() { return libuv_available() ? "libuv" : "classic"; }
+
+std::string prefix_for_secret(const std::string& secret) {
+  return "job-" + c10::sha1("mnist_ddp store prefix\n" + secret).str().substr(0, 32);
+}
+
+std::string random_prefix() {
+  std::random_device device;  // /dev/urandom
+  char text[40];
+  std::snprintf(text, sizeof text, "job-%08x%08x%08x%08x", device(), device(), device(), device());
+  return text;
+}
 
 std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 std::string text_of(const std::vector<uint8_t>& b) { return std::string(b.begin(), b.end()); }

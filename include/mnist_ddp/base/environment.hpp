@@ -44,6 +44,13 @@ struct WorkerEnv {
   // keys. -1: started by another launcher (rank 0, or torchrun's agent,
   // hosts the store).
   int round = -1;
+  // Set by our launcher: the prefix of every key of the job in its store,
+  // which a process outside the job cannot guess (store.hpp, "Note on
+  // neighbours"); "" where the job has none.
+  std::string store_prefix;
+  // The secret the job's nodes share (Environment::secret), from which a
+  // job under another launcher derives its prefix; "" for none.
+  std::string secret;
   // Which start of the job's workers this is: 0, then one more per restart
   // (our launcher's round, torchrun's TORCHELASTIC_RESTART_COUNT, Slurm's
   // SLURM_RESTART_COUNT for a requeued job).
@@ -75,6 +82,9 @@ struct Environment {
   // When the job was launched, in seconds since the Unix epoch: our
   // launcher's MNIST_DDP_LAUNCH_TIME, else when this process started.
   double launch_time = 0;
+  // The secret the nodes of a job share (MNIST_DDP_SECRET, or the contents
+  // of the file MNIST_DDP_SECRET_FILE names); "" for none.
+  std::string secret;
   int parent_pid = 0;               // this process's parent: an MPI job's proxy, one per node
   bool dumb_terminal = false;       // TERM=dumb: no progress line
   bool libtorch_log_level = false;  // GLOG_minloglevel is set: LibTorch's logs are the user's to tune
@@ -86,7 +96,9 @@ struct Environment {
 // This process's environment.
 Environment read_environment();
 // The environment `variables` ("KEY=VALUE") describe, for a process that
-// started at `process_start` (seconds since the Unix epoch). Pure.
+// started at `process_start` (seconds since the Unix epoch). Reads the
+// secret's file when MNIST_DDP_SECRET_FILE names one; throws UsageError
+// when it cannot be read or is empty.
 Environment environment_from(const std::vector<std::string>& variables, double process_start = 0);
 
 // The worker this process is when a launcher started it as one:

@@ -98,10 +98,15 @@ class ProcessGroup {
   std::shared_ptr<CollectiveStream> model_stream() const;
 
   const StorePtr& store() const;
+  // The machine rank `rank` runs on (0 ... nodes - 1), as its launcher
+  // placed it: node 0's ranks come first.
+  int node_of(int rank) const;
+
   // The ranks whose heartbeat stopped: after a collective failed, who is
   // gone. Watches the store for a few seconds; rank 0 when the store itself
-  // is gone (its host took rank 0 along).
-  std::vector<int> silent_ranks() const;
+  // is gone (its host took rank 0 along); nullopt when the store does not
+  // answer (its host, or the link to it, hangs).
+  std::optional<std::vector<int>> silent_ranks() const;
 
   struct State;
   explicit ProcessGroup(std::shared_ptr<State> state) : state_(std::move(state)) {}

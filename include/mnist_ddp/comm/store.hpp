@@ -106,6 +106,24 @@ std::string store_kind();
 // LibTorch does.
 std::atomic<uint32_t>& store_bind_address();
 
+// Note on neighbours. LibTorch's TCPStore has no authentication: any
+// process that reaches its port can read and write any key it can name. So
+// a job keeps every key of its own under a prefix no such process can
+// guess: our launcher draws 128 random bits for a job on one node and hands
+// them to its workers (WorkerEnv::store_prefix); nodes of one job derive it
+// from a secret the user gives them all (MNIST_DDP_SECRET or
+// MNIST_DDP_SECRET_FILE, docs/clusters.md), and so does a rank 0 that hosts
+// the store for another launcher. Without a secret, a job across nodes (or
+// under another launcher) keeps its keys where anyone can name them, as
+// PyTorch's jobs do. Whatever the prefix, what is read is checked for what
+// it may be, and a foreign value is named, never obeyed.
+
+// The prefix of a job whose nodes share `secret`: a SHA-1 of it, so the
+// store never sees the secret itself.
+std::string prefix_for_secret(const std::string& secret);
+// A prefix nobody can guess: 128 random bits, in hex.
+std::string random_prefix();
+
 // A store value as text, and text as a store value.
 std::vector<uint8_t> bytes_of(const std::string& s);
 std::string text_of(const std::vector<uint8_t>& b);
