@@ -134,7 +134,7 @@ in_root bash -c 'cd /root/mnist_ddp && "$@"' bash "$@" 2>&1 | tee "$root/tmp/leg
 if [ "$*" = "bash scripts/test.sh" ]; then
   # What the leg proves beyond the suite: the project's own code compiles
   # without a warning, and the cuda leg builds the CUDA/NCCL path.
-  if grep -E '^/root/mnist_ddp/(src|include|tests)/.*warning:' "$root/tmp/leg.log"; then
+  if grep -E '^/root/mnist_ddp/(src|include|app|tests|examples)/.*warning:' "$root/tmp/leg.log"; then
     say "the project's code compiles with warnings against this LibTorch"
     exit 1
   fi

@@ -34,23 +34,23 @@ class Hostile : public test::JobsOnThisMachine {
 };
 
 // A client of the store at `port` that writes what it likes: a neighbour.
+// Opened as the job opens its own (a LibTorch without libuv refuses a
+// client that asks for it).
 c10::intrusive_ptr<c10d::TCPStore> neighbour(int port) {
   c10::intrusive_ptr<c10d::TCPStore> store;
+  std::string why;
   EXPECT_TRUE(eventually(
       [&] {
         try {
-          c10d::TCPStoreOptions o;
-          o.port = static_cast<uint16_t>(port);
-          o.isServer = false;
-          o.waitWorkers = false;
-          o.timeout = 2s;
-          store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+          store = open_store("127.0.0.1", port, false, 2s);
           return true;
-        } catch (const std::exception&) {
+        } catch (const std::exception& e) {
+          why = e.what();
           return false;
         }
       },
-      60s));
+      60s))
+      << why;
   return store;
 }
 

@@ -27,6 +27,8 @@ run() {
   rc=0
   out="$(timeout -k 5 300 "$@" 2>&1)" || rc=$?
 }
+generator=()  # Ninja where the machine has it (a fresh one may lack make)
+command -v ninja >/dev/null && generator=(-G Ninja)
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 # The examples' last lines, without the launcher's name: what every launcher must agree on.
 results() { grep -E '^(\[[a-z0-9]+\]:)?[a-z_]+: rank [0-9]+ of' <<<"$1" | sed -E 's/^\[[a-z0-9]+\]://; s/ \([a-z_]+, /(/' | sort; }
@@ -44,8 +46,6 @@ case "$case_name" in
     for private in rendezvous shared_memory exact_math trainer options; do
       [ -z "$(find "$pkg/prefix" -name "$private.hpp")" ] || fail "$private.hpp is installed"
     done
-    generator=()
-    command -v ninja >/dev/null && generator=(-G Ninja)
     # Unoptimised: the examples' own code is glue around the library, and parsing torch.h is the cost.
     run cmake -S "$src/examples" -B "$examples" "${generator[@]}" -DCMAKE_BUILD_TYPE= \
       "-DCMAKE_PREFIX_PATH=$pkg/prefix" "-DTorch_DIR=$torch_dir"
@@ -79,7 +79,7 @@ case "$case_name" in
         echo '  add_library(torch INTERFACE IMPORTED)'
         echo 'endif()'
       } >"$tmp/$name/TorchConfig.cmake"
-      run cmake -S "$tmp/project" -B "$tmp/$name-build" "-DCMAKE_PREFIX_PATH=$pkg/prefix" "-DTorch_DIR=$tmp/$name"
+      run cmake -S "$tmp/project" -B "$tmp/$name-build" "${generator[@]}" "-DCMAKE_PREFIX_PATH=$pkg/prefix" "-DTorch_DIR=$tmp/$name"
       [ "$rc" != 0 ] || fail "$name: a LibTorch $v (CUDA $c, ABI $a) was taken"
       line="$(grep -E '^ +mnist_ddp [0-9.]+ was built against' <<<"$out" | sed 's/^ *//')" ||
         fail "$name: no one-line refusal in: $out"
