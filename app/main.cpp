@@ -14,6 +14,7 @@
 #include "app/base/placement.hpp"
 #include "app/launch/launcher.hpp"
 #include "app/launch/supervisor.hpp"
+#include "app/train/trainer.hpp"
 #include "app/worker.hpp"
 
 namespace {
@@ -63,6 +64,8 @@ int main(int argc, char** argv) {
     if (const std::string overridden = overridden_flags(*opts, decided); !overridden.empty())
       std::cerr << "mnist_ddp: " << overridden << std::endl;
     const Placement placement = plan_placement(node, count_visible_gpus(env.cuda_visible_devices));
+    // What the CPU cannot run is refused here, once, before anything is made; a GPU's by its workers.
+    if (placement.devices.empty()) check_amp(node, torch::kCPU);
     const auto lock = preflight(node);
     return run_launcher(node, placement, env, args, original_mask);
   } catch (const UsageError& e) {

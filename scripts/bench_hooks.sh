@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Compares the five communication hooks: 2 Gloo worker processes on
-# Fashion-MNIST (or, with --gpu, one NCCL worker per GPU), PowerSGD
-# compressing from step 10. Prints one table.
+# Compares the communication hooks (the reference's five and bf16), and
+# float32 against --amp bf16 and --accumulate 2 (under none): 2 Gloo worker
+# processes on Fashion-MNIST (or, with --gpu, one NCCL worker per GPU),
+# PowerSGD compressing from step 10. Prints one table; a step of
+# --accumulate 2 takes twice the images, so compare images/s.
 #
 #   bash scripts/bench_hooks.sh [--steps 300] [--rounds 3] [--keep DIR] [--gpu] [--against BINARY]
 #
-# The hooks run in turn, --rounds times over, and each figure is the median
+# The rows run in turn, --rounds times over, and each figure is the median
 # of its rounds: on a shared 2-core machine a single run is noisy. --keep
-# leaves each run's --path (log and metrics.csv) in DIR/<hook>.<round>.
+# leaves each run's --path (log and metrics.csv) in DIR/<row>.<round>.
 # --against BINARY runs another mnist_ddp (an older build) right after each
 # of this build's runs and prints its table too: a before/after in one run.
 set -euo pipefail
@@ -35,23 +37,25 @@ fi
 mkdir -p "$out"
 [ -z "$against" ] || [ -x "$against" ] || { echo "bench_hooks: --against $against: not an executable" >&2; exit 2; }
 runs=() others=()
-# bench BINARY DIR HOOK: one run, its --path DIR.
+# bench BINARY DIR HOOK [FLAGS...]: one run, its --path DIR.
 bench() {
   if ! "$1" "${placement[@]}" --dataset fashion-mnist --epochs 1 --max-steps "$steps" \
       --start-powersgd-iter 10 --compression "$3" --log-interval 50 --checkpoint-every 0 \
-      --path "$2" >"$2.txt" 2>&1; then
-    echo "bench_hooks: the $3 run of $1 failed:" >&2
+      --path "$2" "${@:4}" >"$2.txt" 2>&1; then
+    echo "bench_hooks: the ${*:3} run of $1 failed:" >&2
     tail -n 5 "$2.txt" >&2
-    exit 1
+    return 1
   fi
 }
 for round in $(seq 1 "$rounds"); do
-  for hook in none fp16 powersgd powersgd_fp16 batched_powersgd_fp16; do
-    bench ./build/mnist_ddp "$out/$hook.$round" "$hook"
-    runs+=("$out/$hook.$round")
-    if [ -n "$against" ]; then
-      bench "$against" "$out/$hook.$round.against" "$hook"
-      others+=("$out/$hook.$round.against")
+  for row in none fp16 powersgd powersgd_fp16 batched_powersgd_fp16 bf16 "none --amp bf16" "none --accumulate 2"; do
+    read -r -a words <<<"$row"
+    name="${row// /_}"
+    bench ./build/mnist_ddp "$out/$name.$round" "${words[@]}" || exit 1
+    runs+=("$out/$name.$round")
+    # An older build may lack a row's flags: that row is left out of its table.
+    if [ -n "$against" ] && bench "$against" "$out/$name.$round.against" "${words[@]}" 2>/dev/null; then
+      others+=("$out/$name.$round.against")
     fi
   done
 done

@@ -5,6 +5,7 @@
 #include "app/train/checkpoint.hpp"
 #include "app/base/files.hpp"
 #include "app/train/model.hpp"
+#include "app/train/resume.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -67,6 +68,23 @@ TEST(Checkpoint, RoundTripsEveryField) {
   save_checkpoint(dir / "ckpt", sample(27));
   EXPECT_TRUE(has_checkpoint(dir / "ckpt"));
   expect_same(load_checkpoint(dir / "ckpt"), sample(27));
+}
+
+// A checkpoint of 2 ranks after 10 steps of 2 micro-batches of 16 images
+// a rank (640 images of its epoch) goes on, under other shapes of a step,
+// past as many images, rounded up to a whole step.
+TEST(Checkpoint, AResumedBatchCountsEveryMicroBatchsImages) {
+  Checkpoint c;
+  c.batch = 10;
+  c.world_size = 2;
+  c.arguments = {{"batch_size", "16"}, {"accumulate", "2"}};
+  EXPECT_EQ(resumed_batch(c, 16, 2, 2), 10);  // as written
+  EXPECT_EQ(resumed_batch(c, 32, 2), 10);     // one batch of the same 32 images
+  EXPECT_EQ(resumed_batch(c, 16, 2), 20);
+  EXPECT_EQ(resumed_batch(c, 16, 4, 2), 5);
+  c.arguments = {{"batch_size", "32"}};  // written by a run without --accumulate
+  EXPECT_EQ(resumed_batch(c, 16, 2, 4), 5);
+  EXPECT_EQ(resumed_batch(c, 24, 2, 2), 7);  // 640 / 96 = 6.7
 }
 
 TEST(Checkpoint, ASaveInterruptedAnywhereLeavesThePreviousOneLoadable) {

@@ -74,20 +74,25 @@ std::vector<torch::Tensor> per_rank(int world, const std::function<torch::Tensor
   return out;
 }
 
+// fp16 and bf16: the mean within the type's rounding (float16 keeps ~3
+// decimal digits, bfloat16 ~2), two bytes an element on the wire.
 TEST(Fp16, EqualsAllreduceWithinFloat16Tolerance) {
   torch::manual_seed(1);
   const auto inputs = per_rank(3, [](int) { return torch::randn({1000}); });
   const auto mean = (inputs[0] + inputs[1] + inputs[2]) / 3;
-  run_ranks(3, [&](ProcessGroup& group) {
-    StreamWire wire(group);
-    auto fp16 = make_comm_hook("fp16", {});
-    auto bucket = make_bucket({{1000}});
-    bucket.buffer.copy_(inputs[group.rank()]);
-    const auto out = run_hook(*fp16, bucket, wire);
-    EXPECT_LE(max_abs_diff(out, mean), 4e-3);  // float16 keeps ~3 decimal digits
-    EXPECT_EQ(wire.bytes_sent(), 2000);
-    EXPECT_TRUE(out.is_same(bucket.buffer) || torch::equal(out, bucket.buffer));
-  });
+  for (const auto& [name, tolerance] : std::vector<std::pair<std::string, double>>{{"fp16", 4e-3}, {"bf16", 3e-2}}) {
+    run_ranks(3, [&](ProcessGroup& group) {
+      StreamWire wire(group);
+      auto hook = make_comm_hook(name, {});
+      auto bucket = make_bucket({{1000}});
+      bucket.buffer.copy_(inputs[group.rank()]);
+      const auto out = run_hook(*hook, bucket, wire);
+      EXPECT_LE(max_abs_diff(out, mean), tolerance) << name;
+      EXPECT_GT(max_abs_diff(out, mean), 0) << name << " sent float32";
+      EXPECT_EQ(wire.bytes_sent(), 2000) << name;
+      EXPECT_TRUE(out.is_same(bucket.buffer) || torch::equal(out, bucket.buffer)) << name;
+    });
+  }
 }
 
 // A large tensor's sum: float32 through Gloo; float16 round the ring
@@ -99,7 +104,7 @@ TEST(GroupWire, EveryRankGetsTheSumOfALargeTensor) {
   const int64_t n = 2 * kLinkPieceBytes + 7;  // float16: a chunk is 1.33 pieces
   torch::manual_seed(5);
   const auto inputs = per_rank(world, [&](int) { return torch::randn({n}); });
-  for (const auto type : {torch::kFloat32, torch::kHalf}) {
+  for (const auto type : {torch::kFloat32, torch::kHalf, torch::kBFloat16}) {
     std::vector<torch::Tensor> got(world);
     run_ranks(world, [&](ProcessGroup& group) {
       StreamWire wire(group);
@@ -111,22 +116,25 @@ TEST(GroupWire, EveryRankGetsTheSumOfALargeTensor) {
     for (int r = 1; r < world; ++r) EXPECT_TRUE(torch::equal(got[r], got[0])) << "rank " << r << ", " << type;
     torch::Tensor sum = torch::zeros({n});  // of what each rank sent
     for (const auto& input : inputs) sum += input.to(type).to(torch::kFloat32);
-    EXPECT_LE(max_abs_diff(got[0].to(torch::kFloat32), sum), type == torch::kHalf ? 1e-2 : 1e-5)
-        << type;
+    const double tolerance = type == torch::kHalf ? 1e-2 : type == torch::kBFloat16 ? 8e-2 : 1e-5;
+    EXPECT_LE(max_abs_diff(got[0].to(torch::kFloat32), sum), tolerance) << type;
   }
 }
 
 TEST(Fp16, GradientsNearFloat16MaxDoNotOverflow) {
-  // 3 x 60000 would overflow float16 (max 65504) if summed before dividing.
-  run_ranks(3, [&](ProcessGroup& group) {
-    StreamWire wire(group);
-    auto fp16 = make_comm_hook("fp16", {});
-    auto bucket = make_bucket({{4}});
-    bucket.buffer.fill_(60000.0f);
-    const auto out = run_hook(*fp16, bucket, wire);
-    EXPECT_TRUE(torch::isfinite(out).all().item<bool>());
-    EXPECT_LE(max_abs_diff(out, torch::full({4}, 60000.0f)), 64);
-  });
+  // 3 x 60000 would overflow float16 (max 65504) if summed before dividing;
+  // 3 x 2e38 bfloat16 (max 3.39e38).
+  for (const auto& [name, value] : std::vector<std::pair<std::string, float>>{{"fp16", 60000.0f}, {"bf16", 2e38f}}) {
+    run_ranks(3, [&](ProcessGroup& group) {
+      StreamWire wire(group);
+      auto hook = make_comm_hook(name, {});
+      auto bucket = make_bucket({{4}});
+      bucket.buffer.fill_(value);
+      const auto out = run_hook(*hook, bucket, wire);
+      EXPECT_TRUE(torch::isfinite(out).all().item<bool>()) << name;
+      EXPECT_LE(max_abs_diff(out, torch::full({4}, value)) / value, 1e-2) << name;
+    });
+  }
 }
 
 TEST(PowerSgd, BeforeTheStartIterationIsBitIdenticalToNone) {
@@ -135,7 +143,8 @@ TEST(PowerSgd, BeforeTheStartIterationIsBitIdenticalToNone) {
   run_ranks(2, [&](ProcessGroup& group) {
     StreamWire wire(group);
     AllreduceHook none;
-    for (const std::string name : {"powersgd", "powersgd_fp16", "batched_powersgd_fp16"}) {
+    for (const std::string name :
+       {"powersgd", "powersgd_fp16", "batched_powersgd_fp16", "powersgd_bf16", "batched_powersgd_bf16"}) {
       auto hook = make_comm_hook(name, powersgd(2, 5));
       for (int step = 0; step < 5; ++step) {
         EXPECT_FALSE(name == "powersgd" && hook->compression_started());
@@ -147,7 +156,8 @@ TEST(PowerSgd, BeforeTheStartIterationIsBitIdenticalToNone) {
         if (name == "powersgd") {
           EXPECT_TRUE(torch::equal(got, expected)) << name << " step " << step;
         } else {
-          EXPECT_LE(max_abs_diff(got, expected), 1e-2) << name << " step " << step;  // float16 wire
+          EXPECT_LE(max_abs_diff(got, expected), name.find("bf16") != std::string::npos ? 0.15 : 1e-2)
+              << name << " step " << step;  // a 16-bit wire
         }
       }
       EXPECT_TRUE(hook->compression_started()) << name;
@@ -259,7 +269,8 @@ TEST(PowerSgd, SaveAndRestoreResumeBitIdentically) {
   torch::manual_seed(8);
   std::vector<std::vector<torch::Tensor>> grads(8);
   for (auto& g : grads) g = per_rank(2, [](int) { return torch::randn({20 * 16 + 20}); });
-  for (const std::string name : {"powersgd", "powersgd_fp16", "batched_powersgd_fp16"}) {
+  for (const std::string name :
+       {"powersgd", "powersgd_fp16", "batched_powersgd_fp16", "powersgd_bf16", "batched_powersgd_bf16"}) {
     run_ranks(2, [&](ProcessGroup& group) {
       StreamWire wire(group);
       auto step = [&](CommHook& hook, int s) {
@@ -279,7 +290,7 @@ TEST(PowerSgd, SaveAndRestoreResumeBitIdentically) {
 
 TEST(Hooks, EveryRankEndsEveryStepWithBitIdenticalGradients) {
   for (const test::Sums sums : {test::Sums::gloo, test::Sums::shared_memory}) {
-    for (const std::string& name : kCompressions) {
+    for (const std::string& name : kAllCompressions) {
       std::vector<Net> nets;
       for (int r = 0; r < 2; ++r) nets.emplace_back();
       std::vector<std::vector<torch::Tensor>> grads(2);  // per rank: every step's gradients

@@ -339,7 +339,7 @@ TEST(CudaDdp, RanksSharingAGpuStayBitIdenticalUnderEveryHook) {
   run_ranks(
       2,
       [&](ProcessGroup& group) {
-        for (const std::string& hook : kCompressions) {
+        for (const std::string& hook : kAllCompressions) {
           const auto state = torch::cat(flatten(train_conv_bn_net(group, conv_bn_net(), hook, data)));
           const auto all = group.stream()->gather_to_rank0(state);
           for (size_t r = 1; r < all.size(); ++r)

@@ -252,6 +252,41 @@ TEST(SlowEndToEnd, EveryCompressionLearnsAsWellAsNoneOverSixEpochs) {
   expect_every_compression_learns_as_well_as_none(6, 1.5, 96);
 }
 
+// Mixed precision, accumulation and bf16 compression as PyTorch users
+// train, 3 epochs of MNIST on 2 workers, each against the float32 run it
+// stands for: --amp bf16 and --compression bf16 against none in float32,
+// --accumulate 2 --batch-size 16 against --batch-size 32 (the same images
+// a step). Each within 0.5 points of test top-1, replicas identical.
+TEST(SlowEndToEnd, MixedPrecisionAccumulationAndBf16LearnAsFloat32Does) {
+  ASSERT_TRUE(files::exists(kData + "/MNIST/raw")) << "run: bash scripts/fetch_data.sh mnist";
+  const std::vector<std::pair<std::string, std::vector<std::string>>> runs = {
+      {"float32", {}},
+      {"--amp bf16", {"--amp", "bf16"}},
+      {"--accumulate 2 --batch-size 16", {"--accumulate", "2", "--batch-size", "16"}},
+      {"--compression bf16", {}}};
+  std::map<std::string, double> accuracy;
+  for (const auto& [name, extra] : runs) {
+    TempDir dir;
+    const std::string compression = name == "--compression bf16" ? "bf16" : "none";
+    std::vector<std::string> args = {"--backend", "gloo", "--nproc", "2", "--epochs", "3", "--compression", compression,
+                                      "--log-interval", "100", "--checkpoint-every", "0", "--data-dir", kData,
+                                      "--path", dir / "out"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    Process run(args, dir / "output.txt");
+    const int status = run.wait(1200s);
+    ASSERT_TRUE(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_text(dir / "output.txt");
+    const std::string log = read_text(dir / "out/mnist_train.log");
+    EXPECT_NE(log.find("Replicas: all 2 ranks hold identical parameters"), std::string::npos) << name << "\n" << log;
+    accuracy[name] = final_test_top1(dir / "out");
+    std::cout << name << ": test top-1 " << accuracy[name] << "% after 3 epochs" << std::endl;
+    if (compression == "bf16") {  // half of none's 4,800,296, as fp16
+      EXPECT_EQ(test::read_summary(dir / "out").at("compression").at("bytes_per_step").get<double>(), 2400148);
+    }
+  }
+  for (const auto& [name, top1] : accuracy)
+    EXPECT_NEAR(top1, accuracy["float32"], 0.5) << name << " against float32 (" << accuracy["float32"] << "%)";
+}
+
 // Two workers sharing one GPU over Gloo: the whole multi-rank CUDA path
 // (buckets in device memory, SyncBatchNorm across ranks, every hook, the
 // replica check after each epoch) against the same run on 2 CPU workers.

@@ -12,6 +12,7 @@
 
 #include "app/train/checkpoint.hpp"
 #include "app/base/files.hpp"
+#include "mnist_ddp/parallel/amp.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -100,8 +101,15 @@ TEST_F(Faults, UsageErrorsExitWith2) {
       {{"--lr", "fast"}, "--lr: must be a positive number, got 'fast'"},
       {{"--gpus", "9"}, "--gpus: device 9 does not exist"},
       {{"--backend", "nccl", "--gpus", "0,0"}, "--backend nccl"},  // CPU-only build, no GPU, or a GPU twice
+      {{"--amp", "fp32"}, "--amp: must be one of none, bf16, fp16"},
+      {{"--accumulate", "0"}, "--accumulate: must be an integer from 1 up to 1024, got '0'"},
   };
-  for (const auto& [args, message] : cases) {
+  auto all = cases;
+  // float16 autocast on the CPU, refused where this LibTorch has none (1.13's), naming what would work.
+  if (!torch::cuda::is_available() && !autocast_unsupported(torch::Device(torch::kCPU), torch::kHalf).empty())
+    all.push_back({{"--amp", "fp16"},
+                   "--amp fp16: this LibTorch's CPU autocast has no float16; use --amp bf16, or a GPU, or --amp none"});
+  for (const auto& [args, message] : all) {
     SCOPED_TRACE(args.front() + " " + args.back());
     expect_one_error_line(run(with(base(dir), args), dir), 2, message);
     EXPECT_FALSE(files::exists(dir / "out")) << "nothing is created for a usage error";

@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include <limits>
 #include <mutex>
 #include <sstream>
 
@@ -530,6 +531,99 @@ TEST(Library, AHooksStateSavedWithTorchSaveResumesExactly) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("powersgd_fp16"), std::string::npos) << e.what();
   }
+}
+
+// float16's loss scale, agreed: an inf on one rank's loss at step 2 makes
+// every rank skip that step and halve its scale, under plain averaging and
+// under PowerSGD (whose low-rank result could hide it); the replicas end
+// identical, and PowerSGD's memories carry no inf into later steps.
+TEST(Library, AnInfOnOneRankMakesEveryRankSkipTheStepAlike) {
+  torch::manual_seed(102);
+  std::vector<torch::Tensor> xs;
+  for (int s = 0; s < 5; ++s) xs.push_back(torch::randn({8, 4}));
+  for (const std::string hook : {"none", "powersgd"}) {
+    SCOPED_TRACE(hook);
+    auto models = replicas<BranchImpl>(101);
+    std::vector<torch::Tensor> final(kWorld);
+    std::vector<std::vector<double>> scales(kWorld);
+    std::vector<int64_t> skipped(kWorld);
+    run_ranks(kWorld, [&](ProcessGroup& group) {
+      auto model = models[group.rank()];
+      DistributedDataParallel ddp(model, group);
+      if (hook == "powersgd")
+        ddp.register_comm_hook(hooks::powersgd(
+            hooks::PowerSgdOptions().start_powersgd_iter(0).min_compression_rate(0.1).use_error_feedback(true)));
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      GradScaler scaler(group, GradScalerOptions().init_scale(1024).growth_interval(2));
+      for (int s = 0; s < 5; ++s) {
+        opt.zero_grad();
+        auto loss = ddp.forward(shard(xs[s], group.rank()), true).pow(2).mean();
+        if (s == 2 && group.rank() == 1) loss = loss * std::numeric_limits<float>::infinity();
+        scaler.scale(loss).backward();
+        const bool stepped = scaler.step(opt);
+        EXPECT_EQ(stepped, s != 2) << "step " << s;
+        scaler.update();
+        scales[group.rank()].push_back(scaler.get_scale());
+      }
+      skipped[group.rank()] = scaler.skipped_steps();
+      std::vector<torch::Tensor> parts;
+      for (const auto& p : model->parameters()) parts.push_back(p.detach().reshape(-1).clone());
+      final[group.rank()] = torch::cat(parts);
+    });
+    // 1024 -> 2048 after two good steps, 1024 on the skip, 2048 two good steps later.
+    EXPECT_EQ(scales[0], (std::vector<double>{1024, 2048, 1024, 1024, 2048}));
+    EXPECT_EQ(scales[1], scales[0]);
+    EXPECT_EQ(skipped[0], 1);
+    EXPECT_EQ(skipped[1], 1);
+    EXPECT_TRUE(torch::isfinite(final[0]).all().item<bool>());
+    EXPECT_TRUE(torch::equal(final[0], final[1])) << "the replicas differ";
+  }
+}
+
+// Autocast lowers what its scope computes to bfloat16 (and float16 where
+// this LibTorch's CPU autocast has it, else says why not), nests, and puts
+// the state before back; the parameters' gradients stay float32 and agree
+// across ranks.
+TEST(Library, AutocastLowersTheForwardAndTheGradientsStayFloat32) {
+  const torch::Device cpu(torch::kCPU);
+  EXPECT_EQ(autocast_unsupported(cpu, torch::kBFloat16), "");
+  const std::string half = autocast_unsupported(cpu, torch::kHalf);
+  EXPECT_TRUE(half.empty() || half == "this LibTorch's CPU autocast has no float16") << half;
+  const auto a = torch::ones({2, 2});
+  {
+    Autocast outer(cpu, torch::kBFloat16);
+    EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kBFloat16);
+    if (half.empty()) {
+      Autocast inner(cpu, torch::kHalf);
+      EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kHalf);
+    }
+    EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kBFloat16);
+  }
+  EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kFloat32);
+
+  torch::manual_seed(103);
+  const auto x = torch::randn({8, 4});
+  auto models = replicas<BranchImpl>(104);
+  std::vector<torch::Tensor> grads(kWorld);
+  run_ranks(kWorld, [&](ProcessGroup& group) {
+    auto model = models[group.rank()];
+    DistributedDataParallel ddp(model, group);
+    torch::Tensor loss;
+    {
+      Autocast autocast(group.device(), torch::kBFloat16);
+      const auto out = ddp.forward(shard(x, group.rank()), true);
+      EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+      loss = out.to(torch::kFloat32).pow(2).mean();
+    }
+    loss.backward();
+    std::vector<torch::Tensor> parts;
+    for (const auto& p : model->parameters()) {
+      EXPECT_EQ(p.grad().scalar_type(), torch::kFloat32);
+      parts.push_back(p.grad().reshape(-1).clone());
+    }
+    grads[group.rank()] = torch::cat(parts);
+  });
+  EXPECT_TRUE(torch::equal(grads[0], grads[1]));
 }
 
 }  // namespace

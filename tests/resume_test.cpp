@@ -151,6 +151,34 @@ TEST(Resume, StoppedPreemptedAndKilledRunsEndAsTheStraightRun) {
   }
 }
 
+// Steps of two micro-batches each under bfloat16 autocast and the bf16
+// PowerSGD wrapper: stopped mid-epoch (step 11 of 16, PowerSGD compressing from 10) and resumed, the run
+// ends as the straight one, bit for bit. A checkpoint falls between
+// optimizer steps only (a step's micro-batches run within it), so the
+// resume goes on at the next step's first micro-batch.
+TEST(Resume, AccumulatedMixedPrecisionStepsStopAndGoOnExactly) {
+  TempDir dir;
+  test::write_synthetic_mnist(dir / "data", 512, 128);
+  const std::vector<std::string> precision = {"--epochs", "2", "--amp", "bf16", "--accumulate", "2",
+                                              "--batch-size", "16"};
+  const std::string straight = dir / "straight", split = dir / "split";
+  ASSERT_EQ(run(job(dir / "data", straight, "powersgd_bf16", precision), dir / "out.txt"), 0) << read_text(dir / "out.txt");
+  const std::string log = read_text(straight + "/mnist_train.log");
+  EXPECT_NE(log.find("Mixed precision: forward and loss under autocast to bf16"), std::string::npos) << log;
+  EXPECT_NE(log.find("Gradient accumulation: 2 micro-batches of 16 per optimizer step"), std::string::npos) << log;
+  EXPECT_NE(log.find("Train Epoch: 1 [5/8"), std::string::npos) << "8 steps of 2 x 16 images a rank an epoch:\n" << log;
+  EXPECT_NE(log.find("Replicas: all 2 ranks hold identical parameters"), std::string::npos) << log;
+  for (const std::string stop : {"11", ""}) {
+    auto extra = precision;
+    extra.insert(extra.end(), {"--resume", "auto"});
+    if (!stop.empty()) extra.insert(extra.end(), {"--max-steps", stop});
+    ASSERT_EQ(run(job(dir / "data", split, "powersgd_bf16", extra), dir / "out.txt"), 0) << read_text(dir / "out.txt");
+  }
+  EXPECT_NE(read_text(split + "/mnist_train.log").find("Resuming from " + split + "/checkpoint: epoch 1, batch 3, step 11"),
+            std::string::npos) << read_text(split + "/mnist_train.log");
+  expect_same_end(split, straight);
+}
+
 TEST(Resume, AKillAtEachPointOfCheckpointingLeavesAResumableOne) {
   // 256 images: 4 steps an epoch and a checkpoint after each. A save is 4
   // file operations (model, training state, manifest, removing stale files);

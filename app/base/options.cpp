@@ -163,7 +163,11 @@ void record_arguments(const CLI::App& app, Options& o) {
       continue;
     }
     const_cast<CLI::Option*>(opt)->capture_default_str();  // the value as parsed
-    o.arguments.emplace_back(python_name(opt), opt->get_default_str());
+    const std::string name = python_name(opt), value = opt->get_default_str();
+    // Options the reference lacks are recorded only when set otherwise: a
+    // default run logs and writes what it did before they existed.
+    if ((name == "amp" && value == "none") || (name == "accumulate" && value == "1")) continue;
+    o.arguments.emplace_back(name, value);
   }
   for (auto& [name, value] : o.arguments) {  // what the environment decided
     if (name == "master_addr") value = o.master_addr;
@@ -205,7 +209,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
                  "Ignored, so the reference's command lines run: batches are sliced from data held in memory, "
                  "with no loader processes")
       ->check(at_least(0, "an integer >= 0"));
-  app.add_option("--compression", o.compression, "Gradient communication hook")->check(one_of(kCompressions));
+  app.add_option("--compression", o.compression, "Gradient communication hook")->check(one_of(kAllCompressions));
   app.add_option("--log-interval,--log_interval", o.log_interval, "Batches between two training log lines")
       ->check(positive("a positive integer"));
   app.add_option("--path", o.path, "Directory for the log file, the best model and checkpoints")
@@ -229,6 +233,13 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
   app.add_option("--resume", o.resume,
                  "Continue from a checkpoint directory, or 'auto': <path>/checkpoint when it holds one")
       ->check(printable("a path without newlines or other control characters"));
+  app.add_option("--amp", o.amp,
+                 "Mixed precision: forward and loss under autocast to bf16 or fp16 (fp16 with an agreed loss scale); "
+                 "parameters, optimizer and statistics stay float32")
+      ->check(one_of({"none", "bf16", "fp16"}));
+  app.add_option("--accumulate", o.accumulate,
+                 "Micro-batches of --batch-size whose gradients each optimizer step sums, communicating on the last")
+      ->check(number(1, true, 1024, "an integer from 1 up to 1024"));
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "A gradient bucket closes once it holds this many MB (the first at 1 MB, or this if less)")
       ->check(number(0, false, 1 << 20, "a positive number of MB up to 1048576"));
 
@@ -370,6 +381,9 @@ hooks::CommHookPtr make_comm_hook(const std::string& compression, const hooks::P
   if (compression == "powersgd") return hooks::powersgd(powersgd);
   if (compression == "powersgd_fp16") return hooks::fp16_compress_wrapper(hooks::powersgd(powersgd));
   if (compression == "batched_powersgd_fp16") return hooks::fp16_compress_wrapper(hooks::batched_powersgd(powersgd));
+  if (compression == "bf16") return hooks::bf16_compress();
+  if (compression == "powersgd_bf16") return hooks::bf16_compress_wrapper(hooks::powersgd(powersgd));
+  if (compression == "batched_powersgd_bf16") return hooks::bf16_compress_wrapper(hooks::batched_powersgd(powersgd));
   throw UsageError("--compression " + compression + ": unknown");
 }
 

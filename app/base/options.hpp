@@ -23,8 +23,13 @@ struct WorkerEnv;
 // attributes (batch_size, log_interval, ...).
 using Arguments = std::vector<std::pair<std::string, std::string>>;
 
+// The reference's five hooks.
 inline const std::vector<std::string> kCompressions = {
     "none", "fp16", "powersgd", "powersgd_fp16", "batched_powersgd_fp16"};
+// Every --compression: the reference's, and bfloat16 where they send float16.
+inline const std::vector<std::string> kAllCompressions = {
+    "none", "fp16", "powersgd", "powersgd_fp16", "batched_powersgd_fp16", "bf16", "powersgd_bf16",
+    "batched_powersgd_bf16"};
 
 struct Options {
   // --- The reference's flags. ---
@@ -35,7 +40,7 @@ struct Options {
   double momentum = 0.9;      // SGD momentum
   double weight_decay = 5e-4; // SGD L2 penalty
   int workers = 4;            // ignored: the reference's loader processes; batches come from memory
-  std::string compression = "powersgd_fp16";  // one of kCompressions
+  std::string compression = "powersgd_fp16";  // one of kAllCompressions
   int log_interval = 10;      // batches between two "Train Epoch" lines
   std::string path = "./logging/";  // log file, best model and checkpoints
 
@@ -61,6 +66,12 @@ struct Options {
   std::int64_t checkpoint_steps = 0;  // also every this many steps; 0: by epoch only
   int max_restarts = 0;       // restarts of the whole node after a worker fails (torchrun's --max-restarts)
   std::string resume;         // a checkpoint directory, "auto" (<path>/checkpoint if any), or "" (none)
+
+  // --- Precision and accumulation (not the reference's: recorded in
+  // arguments only when not their default, so a default run's logs and
+  // files are as before). ---
+  std::string amp = "none";   // none | bf16 | fp16: forward and loss under autocast to that type
+  int accumulate = 1;         // micro-batches of batch_size summed into each optimizer step
 
   // --- DistributedDataParallel and its communication hook. ---
   double bucket_cap_mb = 25;  // a gradient bucket closes once it holds this many MB (the first at 1 MB, or this if less)

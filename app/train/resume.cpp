@@ -43,6 +43,7 @@ std::vector<std::pair<std::string, at::Generator>> generators(const ProcessGroup
 // "rank/<r>/rng/cpu", "rank/<r>/rng/cuda", "rank/<r>/hook/<name>".
 const std::string kMomentum = "optimizer/momentum/";
 const std::string kHook = "hook/";
+const std::string kScaler = "amp/scaler";  // --amp fp16's [scale, growth tracker], the same on every rank
 const std::string kThreads = "threads";  // the rank's intra-op threads: they split, and so round, its sums
 std::string rank_prefix(int rank) { return "rank/" + std::to_string(rank) + "/"; }
 
@@ -101,11 +102,12 @@ void check_resumable(const Checkpoint& c, const Options& opts, const std::string
                      "--dataset " + dataset + ", or start afresh with another --path (or without --resume)");
 }
 
-int64_t resumed_batch(const Checkpoint& c, int64_t batch_size, int world_size) {
-  const std::string given = recorded(c, "batch_size");
-  const int64_t before = given.empty() ? batch_size : std::max<int64_t>(1, std::atoll(given.c_str()));
+int64_t resumed_batch(const Checkpoint& c, int64_t batch_size, int world_size, int accumulate) {
+  const std::string given = recorded(c, "batch_size"), micro = recorded(c, "accumulate");
+  const int64_t before = (given.empty() ? batch_size : std::max<int64_t>(1, std::atoll(given.c_str()))) *
+                         (micro.empty() ? 1 : std::max<int64_t>(1, std::atoll(micro.c_str())));
   const int64_t images = c.batch * before * c.world_size;  // of the epoch, over every rank
-  const int64_t per_step = batch_size * world_size;
+  const int64_t per_step = batch_size * accumulate * world_size;
   return (images + per_step - 1) / per_step;
 }
 
@@ -149,7 +151,7 @@ Position restore(const Checkpoint& c, const TrainingParts& parts, const Options&
       std::replace(hook_changed.begin(), hook_changed.end(), '_', '-');
     }
   }
-  const int64_t batch = resumed_batch(c, opts.batch_size, group.world_size());
+  const int64_t batch = resumed_batch(c, opts.batch_size, group.world_size(), opts.accumulate);
   if (group.rank() == 0) {
     if (!same_world)
       spdlog::warn("The checkpoint was written by {} ranks and this run has {}: every rank's dropout stream and "
@@ -167,7 +169,7 @@ Position restore(const Checkpoint& c, const TrainingParts& parts, const Options&
     if (batch != c.batch)
       spdlog::info("Epoch {} goes on from batch {} of this run's batches ({} images per step over {} ranks): as many "
                    "of its images as the checkpoint's {} batches took, in this run's data order",
-                   c.epoch, batch, opts.batch_size * group.world_size(), group.world_size(), c.batch);
+                   c.epoch, batch, opts.batch_size * opts.accumulate * group.world_size(), group.world_size(), c.batch);
   }
 
   auto& state = parts.optimizer.state();
@@ -207,6 +209,7 @@ Position restore(const Checkpoint& c, const TrainingParts& parts, const Options&
     }
     if (!hook.empty()) parts.hook.load_state(hook);
   }
+  if (parts.scaler && c.training.contains(kScaler)) parts.scaler->load_state(c.training.at(kScaler));
   return {c.epoch, batch, c.step, c.best_accuracy};
 }
 
@@ -234,6 +237,7 @@ std::optional<Checkpoint> capture(const Position& at, const torch::nn::Module& m
     if (buffer.defined()) c.training.insert(kMomentum + p.key(), buffer.detach().cpu().clone());
   }
   for (const auto& [key, value] : parts.hook.state().shared) c.training.insert(kHook + key, value);
+  if (parts.scaler) c.training.insert(kScaler, parts.scaler->state());
   for (const auto& [key, per_rank] : gathered)
     for (size_t r = 0; r < per_rank.size(); ++r) c.training.insert(rank_prefix(static_cast<int>(r)) + key, per_rank[r]);
   return c;

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "app/train/checkpoint.hpp"
+#include "mnist_ddp/parallel/amp.hpp"
 #include "mnist_ddp/parallel/comm_hooks.hpp"
 #include "mnist_ddp/comm/process_group.hpp"
 #include "app/base/options.hpp"
@@ -42,12 +43,13 @@ std::string resume_dir(const Options& opts);
 // is taken (restore() says how).
 void check_resumable(const Checkpoint& c, const Options& opts, const std::string& dir);
 
-// The batch of its epoch at which a run with `batch_size` images per rank
-// and `world_size` ranks goes on from `c`: past as many of the epoch's
-// images as the checkpoint's batches took, rounded up to a whole step. The
-// checkpoint's own batch when neither changed. May be at or past the
-// epoch's last batch: the epoch is then complete.
-int64_t resumed_batch(const Checkpoint& c, int64_t batch_size, int world_size);
+// The batch of its epoch (a step's `accumulate` micro-batches of
+// `batch_size` images per rank) at which a run with `world_size` ranks goes
+// on from `c`: past as many of the epoch's images as the checkpoint's
+// batches took, rounded up to a whole step. The checkpoint's own batch when
+// nothing changed. May be at or past the epoch's last batch: the epoch is
+// then complete.
+int64_t resumed_batch(const Checkpoint& c, int64_t batch_size, int world_size, int accumulate = 1);
 
 // Collective. Rank 0 reads the checkpoint its --resume names (throws
 // CheckpointError) and sends its files to every rank; each rank parses the
@@ -61,6 +63,7 @@ struct TrainingParts {
   torch::optim::SGD& optimizer;
   torch::OrderedDict<std::string, torch::Tensor> parameters;  // DDP's: "module.conv1.weight", ...
   hooks::CommHook& hook;
+  GradScaler* scaler = nullptr;  // --amp fp16's loss scale
 };
 
 // Applies `c` to this rank: optimizer momentum; this rank's RNG streams and

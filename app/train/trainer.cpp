@@ -111,6 +111,17 @@ std::array<double, 3> test_metrics(NetDdp& ddp, const Dataset& data, const torch
 
 }  // namespace
 
+c10::ScalarType amp_dtype(const Options& opts) { return opts.amp == "bf16" ? torch::kBFloat16 : torch::kHalf; }
+
+void check_amp(const Options& opts, const torch::Device& device) {
+  if (opts.amp == "none") return;
+  if (const std::string why = autocast_unsupported(device, amp_dtype(opts)); !why.empty())
+    throw UsageError("--amp " + opts.amp + ": " + why + "; " +
+                     (opts.amp == "fp16" ? (device.is_cuda() ? "use --amp bf16" : "use --amp bf16, or a GPU")
+                                         : "use --amp fp16") +
+                     ", or --amp none");
+}
+
 Trainer::Trainer(const Options& opts, const RunContext& run, ProcessGroup& group)
     : opts_(opts),
       run_(run),
@@ -131,6 +142,17 @@ Trainer::Trainer(const Options& opts, const RunContext& run, ProcessGroup& group
   spdlog::info("Data: {} training and {} test images from {}", train_.size(), test_.size(),
                raw_dir(opts.data_dir, opts.dataset));
 
+  if (opts.amp != "none") {
+    const c10::ScalarType dtype = amp_dtype(opts);
+    check_amp(opts, group.device());
+    amp_dtype_ = dtype;
+    if (dtype == torch::kHalf) scaler_.emplace(group);
+    spdlog::info("Mixed precision: forward and loss under autocast to {}{}", opts.amp,
+                 scaler_ ? ", the loss scaled as every rank agrees (GradScaler)" : "");
+  }
+  if (opts.accumulate > 1)
+    spdlog::info("Gradient accumulation: {} micro-batches of {} per optimizer step, communicating on the last",
+                 opts.accumulate, opts.batch_size);
   const std::optional<Checkpoint> resumed = receive_checkpoint(opts, group);
   ddp_.emplace(build_model(opts, group, resumed));
   // SGD with momentum and weight decay.
@@ -195,7 +217,9 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
   ddp_->train();
   sampler_.set_epoch(epoch);
   const torch::Tensor indices = sampler_.indices();
-  const int64_t batches = num_batches(indices.size(0), opts_.batch_size);
+  // A step takes --accumulate micro-batches of --batch-size: one batch of theirs here.
+  const int64_t step_images = static_cast<int64_t>(opts_.batch_size) * opts_.accumulate;
+  const int64_t batches = num_batches(indices.size(0), step_images);
   EpochReport report;
   report.epoch = epoch;
   report.lr = current_lr(*optimizer_);
@@ -214,7 +238,7 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
       spdlog::info("Stopping after --max-steps {} steps", opts_.max_steps);
       break;
     }
-    auto [x, y] = get_batch(train_, indices, b, opts_.batch_size);
+    auto [x, y] = get_batch(train_, indices, b, step_images);
     x = x.to(group_.device(), /*non_blocking=*/true);
     y = y.to(group_.device(), /*non_blocking=*/true);
     if (stats_.steps == 0) {
@@ -223,15 +247,15 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
       if (summary_) summary_->set("startup_s", startup);
     }
     const int64_t bytes_before = ddp_->reducer().wire().bytes;
-    torch::Tensor output;
-    const torch::Tensor loss = step(x, y, output);
+    torch::Tensor output, labels;
+    const torch::Tensor loss = step(x, y, output, labels);
     if (at_.step == kill_after_step_) raise(SIGKILL);
     if (at_.step == pause_after_step_) pause_until_preempted(at_.step);
     at_.batch = b + 1;
     ++report.steps;
     images += y.size(0) * group_.world_size();
     if (metrics_) metrics_->count_step(y.size(0) * group_.world_size(), ddp_->reducer().wire().bytes - bytes_before);
-    if (b % opts_.log_interval == 0) log_train(report, b, batches, loss, output, y);
+    if (b % opts_.log_interval == 0) log_train(report, b, batches, loss, output, labels);
     if ((stop_signal_ = stop_vote_.after_step())) break;
     if (opts_.checkpoint_steps > 0 && at_.step % opts_.checkpoint_steps == 0) save_checkpoint();
     if (progress_shown()) {
@@ -262,7 +286,7 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
   return report;
 }
 
-torch::Tensor Trainer::step(const torch::Tensor& x, const torch::Tensor& y, torch::Tensor& output) {
+torch::Tensor Trainer::step(const torch::Tensor& x, const torch::Tensor& y, torch::Tensor& output, torch::Tensor& labels) {
   const bool compressed = ddp_->comm_hook().compression_started();
   if (compressed && stats_.compression_started_at < 0) {
     stats_.compression_started_at = at_.step;
@@ -271,19 +295,45 @@ torch::Tensor Trainer::step(const torch::Tensor& x, const torch::Tensor& y, torc
   }
   const int64_t bytes_before = ddp_->reducer().wire().bytes;
   const double waiting_before = ddp_->reducer().communication_wait_seconds();
-  const auto t0 = Clock::now();
+  double forward_s = 0, backward_s = 0;
   optimizer_->zero_grad();
-  output = ddp_->forward(x);
-  // The model ends in log_softmax, so the reference's cross-entropy on its
-  // output equals the negative log-likelihood of that output.
-  const torch::Tensor loss = torch::nll_loss(output, y);
-  check_finite(loss.item<double>(), opts_, at_);
-  const auto t1 = Clock::now();
-  loss.backward();
+  // --accumulate micro-batches: every one but the last under no_sync, each
+  // loss a share of the step's (a mean over the step's images, as one batch
+  // of them gives), so the last backward averages their sum over ranks.
+  const std::vector<torch::Tensor> xs = x.split(opts_.batch_size), ys = y.split(opts_.batch_size);
+  const auto micro = static_cast<int64_t>(xs.size());
+  torch::Tensor loss;
+  for (int64_t j = 0; j < micro; ++j) {
+    std::optional<NetDdp::NoSync> no_sync;
+    if (j + 1 < micro) no_sync.emplace(ddp_->no_sync());
+    const auto t0 = Clock::now();
+    torch::Tensor micro_loss;
+    {
+      std::optional<Autocast> autocast;
+      if (amp_dtype_) autocast.emplace(group_.device(), *amp_dtype_);
+      output = ddp_->forward(xs[j]);
+      // The model ends in log_softmax, so the reference's cross-entropy on
+      // its output equals the negative log-likelihood of that output.
+      micro_loss = torch::nll_loss(output, ys[j]);
+    }
+    // Under float16 an inf is the loss scale's to handle (GradScaler).
+    if (!scaler_) check_finite(micro_loss.item<double>(), opts_, at_);
+    if (micro > 1) micro_loss = micro_loss / micro;
+    const auto t1 = Clock::now();
+    (scaler_ ? scaler_->scale(micro_loss) : micro_loss).backward();
+    forward_s += seconds_between(t0, t1);
+    backward_s += seconds_between(t1, Clock::now());
+    loss = j == 0 ? micro_loss.detach() : loss + micro_loss.detach();
+  }
+  labels = ys.back();
   const auto t2 = Clock::now();
-  optimizer_->step();
-  const auto t3 = Clock::now();
-  stats_.add_step(seconds_between(t0, t1), seconds_between(t1, t2), seconds_between(t2, t3),
+  if (scaler_) {
+    scaler_->step(*optimizer_);
+    scaler_->update();
+  } else {
+    optimizer_->step();
+  }
+  stats_.add_step(forward_s, backward_s, seconds_since(t2),
                   ddp_->reducer().communication_wait_seconds() - waiting_before, ddp_->reducer().wire().bytes - bytes_before, compressed);
   ++at_.step;
   return loss;
@@ -340,7 +390,7 @@ void Trainer::save_checkpoint() {
 TrainingParts Trainer::parts() {
   torch::OrderedDict<std::string, torch::Tensor> named;  // as the checkpoint names them
   for (const auto& p : ddp_->module()->named_parameters()) named.insert("module." + p.key(), p.value());
-  return {*optimizer_, std::move(named), ddp_->comm_hook()};
+  return {*optimizer_, std::move(named), ddp_->comm_hook(), scaler_ ? &*scaler_ : nullptr};
 }
 
 void Trainer::finish() {

@@ -17,6 +17,7 @@
 #include "app/base/options.hpp"
 #include "mnist_ddp/comm/process_group.hpp"
 #include "app/train/data.hpp"
+#include "mnist_ddp/parallel/amp.hpp"
 #include "mnist_ddp/parallel/distributed.hpp"
 #include "app/train/model.hpp"
 #include "app/train/preemption.hpp"
@@ -38,6 +39,12 @@ struct RunContext {
   Faults faults;           // the tests' fault injection; none in a real run
 };
 
+// --amp's dtype (bf16: bfloat16, fp16: float16).
+c10::ScalarType amp_dtype(const Options& opts);
+// Throws UsageError, naming what would work, when this LibTorch cannot run
+// --amp on `device` (fp16 autocast on a CPU LibTorch without it).
+void check_amp(const Options& opts, const torch::Device& device);
+
 class Trainer {
  public:
   // Loads the data, builds the model, DDP and the optimizer, and resumes
@@ -52,7 +59,10 @@ class Trainer {
  private:
   EpochReport train_epoch(int64_t epoch);
   // One step on the batch; returns the loss, still on the device.
-  torch::Tensor step(const torch::Tensor& x, const torch::Tensor& y, torch::Tensor& output);
+  // One optimizer step on the step's images x, y (--accumulate micro-batches
+  // of them); returns the loss, still on the device, and the last
+  // micro-batch's output and labels.
+  torch::Tensor step(const torch::Tensor& x, const torch::Tensor& y, torch::Tensor& output, torch::Tensor& labels);
   void log_train(EpochReport& report, int64_t batch, int64_t batches, const torch::Tensor& loss,
                  const torch::Tensor& output, const torch::Tensor& labels);
   void test(EpochReport& report);
@@ -72,6 +82,8 @@ class Trainer {
   torch::Tensor test_indices_;
   std::optional<NetDdp> ddp_;
   std::unique_ptr<torch::optim::SGD> optimizer_;
+  std::optional<c10::ScalarType> amp_dtype_;  // --amp: autocast to it over forward and loss
+  std::optional<GradScaler> scaler_;          // --amp fp16
   const int64_t kill_after_step_, pause_after_step_;  // run_.faults for this rank; -1: none
   int checkpoint_writes_ = 0;  // file operations of checkpointing, for run_.faults.kill_at_write
   Position at_;

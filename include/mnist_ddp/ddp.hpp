@@ -11,6 +11,7 @@
 
 #include "mnist_ddp/base/errors.hpp"
 #include "mnist_ddp/comm/process_group.hpp"
+#include "mnist_ddp/parallel/amp.hpp"
 #include "mnist_ddp/parallel/comm_hooks.hpp"
 #include "mnist_ddp/parallel/distributed.hpp"
 #include "mnist_ddp/parallel/sync_batch_norm.hpp"

@@ -119,8 +119,11 @@ std::map<std::string, std::string> parse_settings(const std::string& text) {
 // Throws naming the first setting in which `theirs` (rank `other`) differs from `mine`.
 void compare_settings(const std::string& mine, int me, const std::string& theirs, int other) {
   const auto a = parse_settings(mine), b = parse_settings(theirs);
-  for (const auto& [name, value] : a) {
-    const auto it = b.find(name);
+  std::map<std::string, std::string> names(a);  // either side's, in order
+  names.insert(b.begin(), b.end());
+  for (const auto& [name, unused] : names) {
+    const auto mine_it = a.find(name), it = b.find(name);
+    const std::string value = mine_it == a.end() ? "(none)" : mine_it->second;
     const std::string other_value = it == b.end() ? "(none)" : it->second;
     if (other_value == value) continue;
     throw std::runtime_error(name + " differs between ranks: rank " + std::to_string(me) + " has '" + value +

@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cmath>
 #include <functional>
+#include <tuple>
 #include <limits>
 
 #include "parallel/exact_math.hpp"
@@ -337,11 +338,22 @@ void power_iteration(const std::vector<torch::Tensor>& matrices, const std::vect
   for (size_t i = 0; i < matrices.size(); ++i) exact_outer_product(results[i], ps[i], qs[i]);
 }
 
-// After a step without warm start, the next draws a fresh Q.
-void forget_unless_warm(PowerSgdState& st, bool warm_start, size_t b) {
-  if (warm_start) return;
-  st.p_memory.erase(b);
-  st.q_memory.erase(b);
+// Ends bucket b's step; returns whether what it sent was finite. Without
+// warm start the next step draws a fresh Q. An inf or NaN (a float16 loss
+// scale too large for the step) reaches every rank alike through the
+// allreduced P, Q and plain part; the step is then skipped (GradScaler),
+// and lest the memories carry it into every later step, the bucket's error
+// is zeroed and its P and Q drawn afresh, on every rank the same.
+bool end_step(PowerSgdState& st, bool warm_start, size_t b, const std::vector<torch::Tensor>& sent,
+              const torch::Tensor& error) {
+  bool finite = true;
+  for (const auto& t : sent) finite = finite && (!t.defined() || t.numel() == 0 || t.isfinite().all().item<bool>());
+  if (!warm_start || !finite) {
+    st.p_memory.erase(b);
+    st.q_memory.erase(b);
+  }
+  if (!finite && error.defined()) error.zero_();
+  return finite;
 }
 
 }  // namespace
@@ -391,10 +403,10 @@ void PowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
     flat_done = wire.allreduce_mean(flat);
   }
 
+  torch::Tensor p, q;
   if (!matrices.empty()) {
-    auto [p, q] = memories(st, opt.warm_start(), seed, b, p_size, q_size, input.options());
+    std::tie(p, q) = memories(st, opt.warm_start(), seed, b, p_size, q_size, input.options());
     power_iteration(matrices, ranks, results, p, q, wire, opt.orthogonalization_epsilon());
-    forget_unless_warm(st, opt.warm_start(), b);
   }
 
   if (flat_done) {
@@ -405,7 +417,7 @@ void PowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
       at += g.numel();
     }
   }
-  if (opt.use_error_feedback()) error.sub_(input);
+  if (end_step(st, opt.warm_start(), b, {p, q, flat}, error) && opt.use_error_feedback()) error.sub_(input);
   elements_before_ += input.numel();
   elements_after_ += p_size + q_size + (flat.defined() ? flat.numel() : 0);
 }
@@ -437,9 +449,8 @@ void BatchedPowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
   elements_before_ += total;
   elements_after_ += 2 * side * r;
   power_iteration({padded.view({side, side})}, {r}, {result}, p, q, wire, opt.orthogonalization_epsilon());
-  forget_unless_warm(st, opt.warm_start(), b);
   result = result.view(-1);
-  if (opt.use_error_feedback()) error.sub_(result);
+  if (end_step(st, opt.warm_start(), b, {p, q}, error) && opt.use_error_feedback()) error.sub_(result);
   input.copy_(result.slice(0, 0, total));
 }
 

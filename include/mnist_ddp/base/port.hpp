@@ -4,6 +4,7 @@
 #pragma once
 
 #include <torch/version.h>
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #if TORCH_VERSION_MAJOR >= 2
@@ -39,6 +40,34 @@ inline void shut_down_nccl(Group& group) {
   static_cast<c10d::ProcessGroupNCCL&>(group).shutdown();
 #endif
 }
+
+// Autocast for `device`'s type: on or off, and the dtype it lowers to.
+// LibTorch 2.4 on names the device type; before, the CPU and CUDA have
+// functions of their own (which 2.x keeps, deprecated, for a while).
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+inline bool autocast_enabled(c10::DeviceType type) { return at::autocast::is_autocast_enabled(type); }
+inline c10::ScalarType autocast_dtype(c10::DeviceType type) { return at::autocast::get_autocast_dtype(type); }
+inline void set_autocast(c10::DeviceType type, bool enabled, c10::ScalarType dtype) {
+  at::autocast::set_autocast_dtype(type, dtype);
+  at::autocast::set_autocast_enabled(type, enabled);
+}
+#else
+inline bool autocast_enabled(c10::DeviceType type) {
+  return type == c10::DeviceType::CUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+}
+inline c10::ScalarType autocast_dtype(c10::DeviceType type) {
+  return type == c10::DeviceType::CUDA ? at::autocast::get_autocast_gpu_dtype() : at::autocast::get_autocast_cpu_dtype();
+}
+inline void set_autocast(c10::DeviceType type, bool enabled, c10::ScalarType dtype) {
+  if (type == c10::DeviceType::CUDA) {
+    at::autocast::set_autocast_gpu_dtype(dtype);
+    at::autocast::set_enabled(enabled);
+  } else {
+    at::autocast::set_autocast_cpu_dtype(dtype);
+    at::autocast::set_cpu_enabled(enabled);
+  }
+}
+#endif
 
 // Records every operator run while it lives and writes a Chrome trace to
 // `path` at its end (bench.cpp's CPU profile): 1.x's legacy RecordProfile,
