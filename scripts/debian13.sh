@@ -121,12 +121,22 @@ if [ "$leg" = cuda ]; then
 fi
 
 # A copy of the checkout, tracked and untracked files as git sees them, and
-# the data already fetched; build/ stays from the last run.
-dest="$root/root/mnist_ddp"
-mkdir -p "$dest"
-find "$dest" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
+# the data already fetched; build/ stays from the last run. Each file is
+# stamped with the time of this copy unless the last copy held it unchanged,
+# which keeps its stamp: a file edited after the last copy but before its
+# build ended would otherwise look older than its objects, and the build
+# would link stale ones.
+dest="$root/root/mnist_ddp" stage="$root/root/mnist_ddp.copy"
+rm -rf "$stage"
+mkdir -p "$dest" "$stage"
 (cd "$here" && { git ls-files -z --cached --others --exclude-standard; find data -type f -print0 2>/dev/null; } |
-  tar --null --no-recursion --ignore-failed-read -cf - -T -) | tar -xf - -C "$dest"
+  tar --null --no-recursion --ignore-failed-read -cf - -T -) | tar -xmf - -C "$stage"
+(cd "$stage" && find . -type f -print0) | while IFS= read -r -d '' f; do
+  if cmp -s "$stage/$f" "$dest/$f"; then touch -r "$dest/$f" "$stage/$f"; fi
+done
+find "$dest" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
+(cd "$stage" && tar -cf - .) | tar -xf - -C "$dest"
+rm -rf "$stage"
 
 say "running: $*"
 start=$(date +%s)
