@@ -66,6 +66,10 @@ gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
 } >"$out.part"
 
 status=0
+# CudaEndToEnd trains on the MNIST of data/ (tests/e2e_test.cpp), whatever --data-dir says.
+if [ ! -d data/MNIST/raw ] && ! bash scripts/fetch_data.sh mnist >/dev/null 2>&1; then
+  echo "gpu_check.sh: no data/MNIST/raw and no way to fetch it here: CudaEndToEnd will fail; copy data/MNIST in from a machine that has it"
+fi
 echo "gpu_check.sh: ctest -L cuda in $build_dir"
 if ctest_out="$(cd "$build_dir" && ctest -L cuda --output-on-failure --timeout 900 2>&1)"; then
   echo "- \`ctest -L cuda\`: $(grep -E 'tests passed' <<<"$ctest_out" | tail -n 1)" >>"$out.part"
