@@ -96,7 +96,8 @@ def limit(lines):
 
 
 def slopes(facts):
-    """ms/step of each slope run: (wall of 240 steps - wall of 40) / 200, per round, medians."""
+    """ms/step of each slope run: (wall of the long run - wall of the short) / their steps' difference,
+    per round, medians."""
     out = {}
     for key, values in facts.items():
         if not key.startswith("slope_"):
@@ -143,7 +144,9 @@ def bench_table(facts_path, json_path, run_dirs):
               f"| {int(r['bytes_per_step']):,} | {100 * r['vs_none']:.0f}% | {r['scaling_efficiency']:.2f} "
               f"| {r['top1']:.2f}% |")
     for name, r in ends.items():
-        print(f"| one full epoch, {name}: {r['wall_s']:.1f} s from launch (startup {r['startup_s']:.2f} s) "
+        span = "one full epoch" if "partial_epoch" not in facts else f"{int(r['steps'])} steps of an epoch"
+        print(f"| {span}, {name}: "
+              f"{r['wall_s']:.1f} s from launch (startup {r['startup_s']:.2f} s) "
               f"| {r['images_per_s']:.0f} | {r['ms_per_step']:.1f} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} "
               f"| {r['waiting_ms']:.1f} | {r['optimizer_ms']:.1f} | {int(r['bytes_per_step']):,} | - "
               f"| {r['images_per_s'] / (processes * tuned['images_per_s']):.2f} | {r['top1']:.2f}% |")
@@ -170,7 +173,8 @@ def bench_table(facts_path, json_path, run_dirs):
                  "mnist_ddp_1": "mnist_ddp, 1 worker",
                  "python_ddp": f"PyTorch's Python DDP, {processes} workers, "
                                + ("SyncBatchNorm" if facts["device"][0] != "cpu" else "per-process BatchNorm")}
-        print(f"\nms/step as the slope from a 40-step to a 240-step run, launch to exit, compression none "
+        first, second = (facts["slope_mnist_ddp"][i].split()[0] for i in (0, 1))
+        print(f"\nms/step as the slope from a {first}-step to a {second}-step run, launch to exit, compression none "
               f"(medians of {len(facts['slope_mnist_ddp']) // 2} alternating rounds):\n")
         print("| run | ms/step | images/s per worker |\n|---|---:|---:|")
         for name, ms in slope.items():
