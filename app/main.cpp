@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "mnist_ddp/base/environment.hpp"
+#include "base/environment.hpp"
 #include "app/base/logging.hpp"
 #include "app/base/options.hpp"
 #include "app/base/placement.hpp"

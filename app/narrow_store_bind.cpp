@@ -21,7 +21,7 @@
 
 #include <cerrno>
 
-#include "mnist_ddp/comm/store.hpp"
+#include "comm/store.hpp"
 
 extern "C" int bind(int fd, const sockaddr* addr, socklen_t len) {
   using Bind = int (*)(int, const sockaddr*, socklen_t);

@@ -16,7 +16,8 @@
 #include "app/base/logging.hpp"
 #include "app/base/placement.hpp"
 #include "mnist_ddp/comm/process_group.hpp"
-#include "mnist_ddp/comm/runtime.hpp"
+#include "comm/group.hpp"
+#include "comm/runtime.hpp"
 #include "app/train/model.hpp"
 #include "app/train/trainer.hpp"
 
@@ -69,17 +70,17 @@ std::string restarts_belong_to(const std::string& launcher, int max_restarts) {
 std::string name_the_lost(const ProcessGroup& group, const Options& opts, const std::string& error, bool& echo) {
   const bool nodes = group.local_world_size() < group.world_size();
   const std::string waited = "no word within --timeout " + fmt::format("{:g}", opts.timeout) + " s";
-  const std::optional<std::vector<int>> silent = group.silent_ranks();
+  const std::optional<std::vector<int>> silent = silent_ranks(group);
   echo = !silent || !silent->empty();
   if (!silent)  // nor does the store answer: its host, or the link to it, is gone
-    return "lost node " + std::to_string(group.node_of(0)) + " (rank 0 and the store it hosts): " + waited +
+    return "lost node " + std::to_string(node_of(group, 0)) + " (rank 0 and the store it hosts): " + waited +
            " from its ranks or its store; the link to it is down, or it hangs (" + error + ")";
   if (silent->empty()) return error;
   std::string who, where;
   std::set<int> lost_nodes;
   for (int r : *silent) {
     who += (who.empty() ? "" : ", ") + std::to_string(r);
-    lost_nodes.insert(group.node_of(r));
+    lost_nodes.insert(node_of(group, r));
   }
   for (int node : lost_nodes) where += (where.empty() ? "node " : ", node ") + std::to_string(node);
   return "lost rank" + std::string(silent->size() > 1 ? "s " : " ") + who +

@@ -3,7 +3,7 @@
 // its first tensor to its exit code.
 #pragma once
 
-#include "mnist_ddp/base/environment.hpp"
+#include "base/environment.hpp"
 #include "app/base/options.hpp"
 
 namespace mnist_ddp {

@@ -1,12 +1,16 @@
 // A DCGAN-style pair, as pytorch/examples' cpp/dcgan trains it: a generator
 // and a discriminator, each its own DistributedDataParallel and optimizer;
-// the discriminator runs on real and on generated data every step.
+// the discriminator runs on real and on generated data every step, and its
+// gradients travel through a hook of the program's own (topk.hpp).
 //
 //   mnist_ddp run --nproc 2 -- ./dcgan [STEPS]
 //
 // "Real" images are drawn from a fixed pattern plus noise, so the program
 // needs no data set.
 #include <mnist_ddp/ddp.hpp>
+#include <torch/torch.h>
+
+#include "topk.hpp"
 
 #include <cstdlib>
 #include <iostream>
@@ -25,6 +29,7 @@ int main(int argc, char** argv) try {
   generator->to(group.device());
   discriminator->to(group.device());
   mnist_ddp::DistributedDataParallel g(generator, group), d(discriminator, group);
+  d.register_comm_hook(std::make_shared<TopKHook>(0.25));  // a quarter of its gradients on the wire
   torch::optim::Adam g_optimizer(generator->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
   torch::optim::Adam d_optimizer(discriminator->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
 
@@ -50,8 +55,8 @@ int main(int argc, char** argv) try {
     g_loss.backward();
     g_optimizer.step();
   }
-  g.reducer().check_replicas("after training (generator)");
-  d.reducer().check_replicas("after training (discriminator)");
+  g.check_replicas("after training (generator)");
+  d.check_replicas("after training (discriminator)");
   std::cout << "dcgan: rank " << group.rank() << " of " << group.world_size() << ": " << steps
             << " steps, discriminator loss " << d_loss.item<double>() << ", generator loss " << g_loss.item<double>()
             << ", replicas identical" << std::endl;

@@ -3,7 +3,11 @@
 baseline scripts/bench.sh measures mnist_ddp against.
 
     python3 scripts/python_ddp.py --steps 240 [--nproc 2] [--data-dir data] [--dataset fashion-mnist]
-        [--nnodes 2 --node-rank K --master-addr A --master-port P]
+        [--nnodes 2 --node-rank K --master-addr A --master-port P] [--model resnet --warmup 5]
+
+--model resnet trains examples/resnet_model.hpp's ResNet instead of Net (lr
+0.05, momentum 0.9, no weight decay, as examples/resnet.cpp; for
+scripts/bench_library.sh), and --warmup K starts the clock after K steps.
 
 Trains --steps steps on --nproc Gloo processes on the CPU (or, with --cuda,
 one NCCL process per visible GPU) with the reference's settings: batch 32
@@ -36,6 +40,35 @@ from evaluate_model import Net, read_idx  # noqa: E402  the reference's Net and 
 RAW_DIRS = {"mnist": "MNIST/raw", "fashion-mnist": "FashionMNIST/raw"}
 
 
+def conv3x3(c_in, c_out):
+    return torch.nn.Conv2d(c_in, c_out, 3, padding=1, bias=False)
+
+
+class Block(torch.nn.Module):
+    """conv-bn-relu-conv-bn, plus the input: examples/resnet_model.hpp's Block."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.body = torch.nn.Sequential(conv3x3(channels, channels), torch.nn.BatchNorm2d(channels), torch.nn.ReLU(),
+                                        conv3x3(channels, channels), torch.nn.BatchNorm2d(channels))
+
+    def forward(self, x):
+        return F.relu(x + self.body(x))
+
+
+class ResNet(torch.nn.Module):
+    """examples/resnet_model.hpp's ResNet, layer for layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = torch.nn.Sequential(conv3x3(1, 16), torch.nn.BatchNorm2d(16), torch.nn.ReLU(), Block(16),
+                                            torch.nn.MaxPool2d(2), Block(16), torch.nn.AdaptiveAvgPool2d(1))
+        self.fc = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc(self.features(x).flatten(1))
+
+
 def worker(local_rank, args, port):
     torch.set_num_threads(args.threads)
     os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(port))
@@ -49,7 +82,7 @@ def worker(local_rank, args, port):
     images, labels = images.to(device), labels.to(device)
     sampler = torch.utils.data.DistributedSampler(range(len(labels)), num_replicas=world, rank=rank,
                                                   shuffle=True, seed=0)
-    model = Net()
+    model = ResNet() if args.model == "resnet" else Net()
     if args.cuda:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
@@ -57,7 +90,12 @@ def worker(local_rank, args, port):
     if args.compression == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    if args.model == "resnet":
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        loss_of = F.cross_entropy
+    else:
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+        loss_of = F.nll_loss
     ddp.train()
     step, epoch, start = 0, 0, time.time()
     while step < args.steps:
@@ -66,17 +104,19 @@ def worker(local_rank, args, port):
         for first in range(0, len(order) - args.batch_size + 1, args.batch_size):
             batch = order[first:first + args.batch_size]
             optimizer.zero_grad()
-            loss = F.nll_loss(ddp(images[batch]), labels[batch])
+            loss = loss_of(ddp(images[batch]), labels[batch])
             loss.backward()
             optimizer.step()
             step += 1
+            if step == args.warmup:
+                start = time.time()
             if step == args.steps:
                 break
         epoch += 1
     if args.cuda:
         torch.cuda.synchronize()
     if rank == 0:
-        print(f"steps {step} in {time.time() - start:.3f} s", flush=True)
+        print(f"steps {step - args.warmup} in {time.time() - start:.3f} s", flush=True)
     dist.destroy_process_group()
 
 
@@ -89,6 +129,8 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--compression", choices=["none", "fp16"], default="none")
     parser.add_argument("--cuda", action="store_true")
+    parser.add_argument("--model", choices=["net", "resnet"], default="net")
+    parser.add_argument("--warmup", type=int, default=0, help="steps before the clock starts")
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--master-addr", default="127.0.0.1")

@@ -13,6 +13,15 @@
 //   mnist_ddp_bench allreduce NUMEL ROUNDS  microseconds per sum of NUMEL
 //                                      floats over 2 idle CPU processes,
 //                                      through Gloo and through shared memory
+//   mnist_ddp_bench library [STEPS]     examples/resnet's model, batch 32, one
+//                                      core a process: two processes at once,
+//                                      each alone (the floor), and 2 ranks
+//                                      under our DDP with BatchNorm and with
+//                                      SyncBatchNorm, and under our DDP with
+//                                      no communication (each rank's own
+//                                      gradients, no buffer broadcast);
+//                                      prints "floor F ddp D ddp_syncbn S
+//                                      ddp_local L" in ms/step
 //   mnist_ddp_bench compute-limit [STEPS] [--plain | --cuda]
 //                                      one process on one core, no DDP, no
 //                                      communication: Net's training step at
@@ -38,11 +47,13 @@
 #include "mnist_ddp/comm/process_group.hpp"
 #include "app/base/files.hpp"
 #include "app/train/model.hpp"
-#include "mnist_ddp/base/port.hpp"
+#include "base/port.hpp"
+#include "comm/group.hpp"
 #include "mnist_ddp/parallel/sync_batch_norm.hpp"
-#include "mnist_ddp/base/environment.hpp"
+#include "base/environment.hpp"
 #include "app/base/placement.hpp"
 #include "app/worker.hpp"
+#include "examples/resnet_model.hpp"
 
 namespace mnist_ddp {
 namespace {
@@ -67,7 +78,7 @@ bool run_processes(int world, const std::function<void(ProcessGroup&)>& fn, bool
         auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
         ProcessGroup group = make_process_group(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(120), shared_memory);
         fn(group);
-        group.stream()->barrier();
+        bulk_stream(group)->barrier();
       } catch (const std::exception& e) {
         std::cerr << "rank " << rank << ": " << e.what() << std::endl;
         code = 1;
@@ -112,7 +123,7 @@ double ms_per_step(ProcessGroup& group, bool sync_bn, int steps, bool communicat
     opt.step();
   };
   for (int i = 0; i < 5; ++i) step();
-  group.stream()->barrier();
+  bulk_stream(group)->barrier();
   const auto start = Clock::now();
   {
     std::optional<port::RecordProfile> profiled;
@@ -173,9 +184,9 @@ int allreduce(int64_t numel, int rounds) {
                    2,
                    [&](ProcessGroup& group) {
                      auto t = torch::ones({numel});
-                     for (int i = 0; i < 10; ++i) group.stream()->allreduce_sum(t);
+                     for (int i = 0; i < 10; ++i) bulk_stream(group)->allreduce_sum(t);
                      const auto start = Clock::now();
-                     for (int i = 0; i < rounds; ++i) group.stream()->allreduce_sum(t);
+                     for (int i = 0; i < rounds; ++i) bulk_stream(group)->allreduce_sum(t);
                      const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count() / rounds;
                      if (group.rank() == 0)
                        std::printf("%s: %lld floats, %.1f us per allreduce\n", shared ? "shared memory" : "gloo",
@@ -184,6 +195,48 @@ int allreduce(int64_t numel, int rounds) {
                    shared);
   }
   return ok ? 0 : 1;
+}
+
+// Milliseconds per step of examples/resnet's model on this rank, after 5
+// steps of warm-up, under our DDP (`ddp`; with SyncBatchNorm where `sync_bn`)
+// or alone. The ranks start the timed steps together.
+double resnet_ms_per_step(ProcessGroup& group, bool ddp, bool sync_bn, bool communicate, int steps) {
+  torch::manual_seed(0);
+  ResNet model;
+  if (sync_bn) convert_sync_batchnorm(model, group);
+  std::optional<DistributedDataParallel<ResNet>> wrapped;
+  if (ddp) wrapped.emplace(model, group, DdpOptions().broadcast_buffers(communicate));
+  if (ddp && !communicate) wrapped->register_comm_hook(std::make_shared<LocalHook>());
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::manual_seed(1 + group.rank());
+  const auto x = torch::randn({32, 1, 28, 28});
+  const auto y = torch::randint(0, 10, {32}, torch::kInt64);
+  auto step = [&] {
+    opt.zero_grad();
+    const torch::Tensor out = wrapped ? wrapped->forward(x) : model->forward(x);
+    torch::nn::functional::cross_entropy(out, y).backward();
+    opt.step();
+  };
+  for (int i = 0; i < 5; ++i) step();
+  bulk_stream(group)->barrier();
+  const auto start = Clock::now();
+  for (int i = 0; i < steps; ++i) step();
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count() / steps;
+}
+
+int library(int steps) {
+  const char* names[] = {"floor", "ddp", "ddp_syncbn", "ddp_local"};
+  for (int v = 0; v < 4; ++v) {
+    const bool ok = run_processes(2, [&](ProcessGroup& group) {
+      const double mine = resnet_ms_per_step(group, v > 0, v == 2, v != 3, steps);
+      auto both = torch::tensor({mine}, torch::kFloat64);
+      bulk_stream(group)->allreduce_sum(both);  // the mean of the two processes (alone, for the floor)
+      if (group.rank() == 0) std::printf("%s %.2f%s", names[v], both.item<double>() / 2, v == 3 ? "\n" : " ");
+      std::fflush(stdout);
+    });
+    if (!ok) return 1;
+  }
+  return 0;
 }
 
 void synchronize(const torch::Device& device) {
@@ -240,9 +293,10 @@ int main(int argc, char** argv) {
   if (what == "allreduce" && argc > 3) return mnist_ddp::allreduce(std::stoll(argv[2]), std::stoi(argv[3]));
   if (what == "breakdown") return mnist_ddp::breakdown(argc > 2 ? std::stoi(argv[2]) : 40);
   if (what == "profile" && argc > 3) return mnist_ddp::profile(std::stoi(argv[2]), argv[3]);
+  if (what == "library") return mnist_ddp::library(argc > 2 ? std::stoi(argv[2]) : 100);
   if (what == "compute-limit")
     return mnist_ddp::compute_limit(argc > 2 ? std::stoi(argv[2]) : 100, argc > 3 ? argv[3] : "");
   std::cerr << "usage: mnist_ddp_bench sync-bn [STEPS] | breakdown [STEPS] | allreduce NUMEL ROUNDS | "
-               "compute-limit [STEPS] [--plain | --cuda]\n";
+               "library [STEPS] | compute-limit [STEPS] [--plain | --cuda]\n";
   return 2;
 }

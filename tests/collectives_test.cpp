@@ -6,7 +6,7 @@
 #include <mutex>
 #include <random>
 
-#include "mnist_ddp/comm/collectives.hpp"
+#include "comm/collectives.hpp"
 #include "mnist_ddp/parallel/comm_hooks.hpp"
 #include "mnist_ddp/parallel/distributed.hpp"
 #include "app/train/model.hpp"
@@ -55,14 +55,14 @@ TEST(CollectiveStream, TasksRunOneAtATimeInTheOrderPosted) {
     std::atomic<int> inside{0};
     bool overlapped = false;
     std::vector<CollectiveStream::Ticket> tickets;
-    group.stream()->watch(std::make_shared<ShakingRecorder>(1, std::chrono::microseconds(300)));
+    bulk_stream(group)->watch(std::make_shared<ShakingRecorder>(1, std::chrono::microseconds(300)));
     for (int i = 0; i < 50; ++i)
-      tickets.push_back(group.stream()->post([&, i](Channel&) {
+      tickets.push_back(bulk_stream(group)->post([&, i](Channel&) {
         overlapped |= inside.fetch_add(1) != 0;
         order.push_back(i);
         inside.fetch_sub(1);
       }));
-    group.stream()->wait(tickets.back());
+    bulk_stream(group)->wait(tickets.back());
     std::vector<int> expected(50);
     for (int i = 0; i < 50; ++i) expected[i] = i;
     EXPECT_EQ(order, expected);
@@ -73,13 +73,13 @@ TEST(CollectiveStream, TasksRunOneAtATimeInTheOrderPosted) {
 TEST(CollectiveStream, AfterAFailedTaskNoLaterTaskRunsAndEachWaitSaysWhy) {
   run_ranks(1, [](ProcessGroup& group) {
     bool ran = false;
-    const auto good = group.stream()->post([](Channel&) {});
-    const auto bad = group.stream()->post([](Channel&) { throw std::runtime_error("the peer is gone"); });
-    const auto later = group.stream()->post([&](Channel&) { ran = true; });
-    EXPECT_NO_THROW(group.stream()->wait(good));
-    EXPECT_THROW(group.stream()->wait(bad), std::runtime_error);
+    const auto good = bulk_stream(group)->post([](Channel&) {});
+    const auto bad = bulk_stream(group)->post([](Channel&) { throw std::runtime_error("the peer is gone"); });
+    const auto later = bulk_stream(group)->post([&](Channel&) { ran = true; });
+    EXPECT_NO_THROW(bulk_stream(group)->wait(good));
+    EXPECT_THROW(bulk_stream(group)->wait(bad), std::runtime_error);
     try {
-      group.stream()->wait(later);
+      bulk_stream(group)->wait(later);
       ADD_FAILURE() << "a task after a failure passed";
     } catch (const std::runtime_error& e) {
       EXPECT_STREQ(e.what(), "the peer is gone");
@@ -110,19 +110,19 @@ TEST(CollectiveOrder, EveryRankIssuesTheSameCollectivesInTheSameOrderForEveryHoo
       const auto labels = y.slice(0, 4 * group.rank(), 4 * group.rank() + 4);
       const auto on_bulk = std::make_shared<ShakingRecorder>(1000 + group.rank(), std::chrono::microseconds(1500));
       const auto on_quick = std::make_shared<ShakingRecorder>(2000 + group.rank(), std::chrono::microseconds(1500));
-      ASSERT_NE(group.stream(), group.quick()) << "a Gloo job of several ranks has two lanes";
-      group.stream()->watch(on_bulk);
-      group.quick()->watch(on_quick);
+      ASSERT_NE(bulk_stream(group), quick_stream(group)) << "a Gloo job of several ranks has two lanes";
+      bulk_stream(group)->watch(on_bulk);
+      quick_stream(group)->watch(on_quick);
       for (int step = 0; step < steps; ++step) {
         opt.zero_grad();
         const auto loss = torch::nll_loss(ddp.forward(mine), labels);
         loss.backward();
         opt.step();
         auto metric = loss.detach().to(torch::kFloat64).reshape({1});
-        group.quick()->allreduce_sum(metric);  // as the trainer's log line does
+        quick_stream(group)->allreduce_sum(metric);  // as the trainer's log line does
       }
-      group.stream()->watch(nullptr);
-      group.quick()->watch(nullptr);
+      bulk_stream(group)->watch(nullptr);
+      quick_stream(group)->watch(nullptr);
       bulk[group.rank()] = on_bulk->log;
       quick[group.rank()] = on_quick->log;
     });

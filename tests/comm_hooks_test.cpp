@@ -35,20 +35,31 @@ GradBucket make_bucket(const std::vector<std::vector<int64_t>>& shapes, size_t i
 class StreamWire : public Wire {
  public:
   explicit StreamWire(ProcessGroup& group) : group_(group) {}
+  int rank() const override { return group_.rank(); }
   int world_size() const override { return group_.world_size(); }
   FuturePtr allreduce_sum(torch::Tensor tensor) override {
-    FuturePtr done;
-    group_.stream()->run([&](Channel& channel) {
-      GroupWire wire(channel, stats_);
-      done = wire.allreduce_sum(tensor);
-      done->waitAndThrow();
-    });
-    return done;
+    return on_stream([&](Wire& w) { return w.allreduce_sum(tensor); });
+  }
+  FuturePtr allgather(const torch::Tensor& tensor) override {
+    return on_stream([&](Wire& w) { return w.allgather(tensor); });
+  }
+  FuturePtr broadcast(torch::Tensor tensor, int root) override {
+    return on_stream([&](Wire& w) { return w.broadcast(tensor, root); });
   }
   int64_t elements_sent() const { return stats_.elements; }
   int64_t bytes_sent() const { return stats_.bytes; }
 
  private:
+  template <typename Call>
+  FuturePtr on_stream(Call call) {
+    FuturePtr done;
+    bulk_stream(group_)->run([&](Channel& channel) {
+      GroupWire wire(channel, stats_);
+      done = call(wire);
+      done->waitAndThrow();
+    });
+    return done;
+  }
   ProcessGroup& group_;
   WireStats stats_;
 };

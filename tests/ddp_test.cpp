@@ -149,8 +149,8 @@ TEST(Ddp, GradientsStayBucketViewsWhenTheOptimiserResetsThem) {
       torch::nll_loss(ddp.forward(d.x), d.y).backward();
       for (const auto& p : ddp->parameters()) {
         ASSERT_TRUE(p.grad().defined());
-        const auto* begin = static_cast<const char*>(ddp.reducer().buckets()[0].buffer.data_ptr());
-        const auto* end = begin + 4 * ddp.reducer().buckets()[0].buffer.numel();
+        const auto* begin = static_cast<const char*>(DdpAccess::reducer(ddp).buckets()[0].buffer.data_ptr());
+        const auto* end = begin + 4 * DdpAccess::reducer(ddp).buckets()[0].buffer.numel();
         const auto* g = static_cast<const char*>(p.grad().data_ptr());
         EXPECT_TRUE(g >= begin && g < end) << "a gradient is no longer a view into its bucket";
       }
@@ -163,14 +163,14 @@ TEST(Ddp, TheReplicaCheckNamesEachDifferingRankAndItsLargestDifference) {
   std::vector<std::string> outcome(3);
   run_ranks(3, [&](ProcessGroup& group) {
     DistributedDataParallel ddp(models[group.rank()], group);
-    ddp.reducer().check_replicas("at the start");  // rank 0's state was broadcast: nothing to say
+    ddp.check_replicas("at the start");  // rank 0's state was broadcast: nothing to say
     if (group.rank() == 2) {
       torch::NoGradGuard no_grad;
       ddp->named_parameters()["conv.bias"][1].add_(0.25);
       ddp->named_parameters()["fc.weight"][3][7].add_(0.5);
     }
     try {
-      ddp.reducer().check_replicas("after epoch 3");
+      ddp.check_replicas("after epoch 3");
       outcome[group.rank()] = "(passed)";
     } catch (const PeerLost& e) {
       outcome[group.rank()] = std::string("echo: ") + e.what();
@@ -341,7 +341,7 @@ TEST(CudaDdp, RanksSharingAGpuStayBitIdenticalUnderEveryHook) {
       [&](ProcessGroup& group) {
         for (const std::string& hook : kAllCompressions) {
           const auto state = torch::cat(flatten(train_conv_bn_net(group, conv_bn_net(), hook, data)));
-          const auto all = group.stream()->gather_to_rank0(state);
+          const auto all = bulk_stream(group)->gather_to_rank0(state);
           for (size_t r = 1; r < all.size(); ++r)
             EXPECT_TRUE(torch::equal(all[r], all[0])) << hook << ": rank " << r << " differs from rank 0";
           EXPECT_TRUE(torch::isfinite(state).all().item<bool>()) << hook;

@@ -190,13 +190,15 @@ TEST(Docs, EveryDocumentedCommandRunsOrSaysWhyNot) {
 }
 
 // The source tree as docs/design.md draws it. Two parts: the library
-// (include/mnist_ddp/, its public headers; src/, its code and private
-// headers) and the application (app/), which includes the library's public
-// headers only, as any program would; the library never includes the
-// application. Within each part includes run one way (library: parallel ->
-// comm -> base; application: main -> launch or worker -> train -> base), no
-// two files include each other's headers, one file reads the environment,
-// and no file grows past what a reader takes in at once.
+// (include/mnist_ddp/, its API, the only headers installed; src/, its code
+// and the headers of its internals) and the application (app/), which
+// includes the API and, through the mnist_ddp_internal target, the
+// internals' headers; the library never includes the application, and an
+// installed header never includes an internal one. Within each part
+// includes run one way (library: parallel -> comm -> base; application:
+// main -> launch or worker -> train -> base), no two files include each
+// other's headers, one file reads the environment, and no file grows past
+// what a reader takes in at once.
 TEST(Layout, IncludesRunOneWayAndOneFileReadsTheEnvironment) {
   // A file's part and room: "lib/comm", "app/train", "app/" (main, worker), "lib/" (ddp.hpp).
   auto place = [](const std::string& root, const std::string& path) {
@@ -251,10 +253,7 @@ TEST(Layout, IncludesRunOneWayAndOneFileReadsTheEnvironment) {
       ASSERT_TRUE(level.count(their_place)) << root << "/" << path << " includes " << header;
       if (in_library) {
         EXPECT_NE(kind, "app") << root << "/" << path << " includes the application's " << header;
-        EXPECT_TRUE(kind != "private" || root == "src") << "public header " << path << " includes private " << header;
-      } else {
-        EXPECT_NE(kind, "private") << "app/" << path << " includes the library's private " << header
-                                   << ": the application uses the public headers only";
+        EXPECT_TRUE(kind != "private" || root == "src") << "installed header " << path << " includes internal " << header;
       }
       const bool across = in_library != (kind != "app");  // the application using the library
       if (!across) {
@@ -277,6 +276,72 @@ TEST(Layout, IncludesRunOneWayAndOneFileReadsTheEnvironment) {
       if (header != file && includes.count(header)) {
         EXPECT_FALSE(includes.at(header).count(file)) << file << " and " << header << " include each other";
       }
+}
+
+// What a program sees is the API: the installed headers name nothing that
+// is not installed (an internal type appears only as a friend, or as the
+// implementation pointer's detail:: type), and the examples, built against
+// an installed tree, include installed headers only.
+TEST(Layout, TheInstalledHeadersAreTheApiAndNameNoInternals) {
+  const std::string include_dir = std::string(MNIST_DDP_SOURCE_DIR) + "/include/mnist_ddp";
+  std::vector<std::string> installed = {"version.hpp"};  // generated from cmake/version.hpp.in
+  for (const auto& name : files::list_directory(include_dir)) {
+    if (!files::is_directory(include_dir + "/" + name)) {
+      installed.push_back(name);
+      continue;
+    }
+    for (const auto& inner : files::list_directory(include_dir + "/" + name)) installed.push_back(name + "/" + inner);
+  }
+  // Names an internal header declares: types, aliases and free functions at
+  // the start of a line, less those the API declares too.
+  const std::regex declared(R"re((?:^|\n)(?:struct|class|using(?!\s+namespace)|enum class)\s+(\w+)|(?:^|\n)[A-Za-z][\w:<>,\s*&]*?\b(\w+)\()re");
+  auto names_in = [&](const std::string& text) {
+    std::set<std::string> names;
+    const std::string code = std::regex_replace(text, std::regex("//[^\n]*"), "");
+    for (auto it = std::sregex_iterator(code.begin(), code.end(), declared); it != std::sregex_iterator(); ++it)
+      names.insert((*it)[1].matched ? (*it)[1].str() : (*it)[2].str());
+    return names;
+  };
+  std::set<std::string> api, internal;
+  for (const auto& header : installed)
+    if (header != "version.hpp") {
+      const auto n = names_in(source_text("include/mnist_ddp/" + header));
+      api.insert(n.begin(), n.end());
+    }
+  for (const std::string room : {"base", "comm", "parallel"})
+    for (const auto& name : files::list_directory(std::string(MNIST_DDP_SOURCE_DIR) + "/src/" + room))
+      if (name.size() > 4 && name.substr(name.size() - 4) == ".hpp") {
+        const auto n = names_in(source_text("src/" + room + "/" + name));
+        internal.insert(n.begin(), n.end());
+      }
+  for (const auto& name : api) internal.erase(name);
+  for (const char* keyword : {"decltype", "sizeof", "alignof", "noexcept", "static_assert", "operator"}) internal.erase(keyword);
+  ASSERT_TRUE(internal.count("CollectiveStream") && internal.count("bulk_stream") && internal.count("WorkerEnv"))
+      << "the scan of the internal headers finds nothing";
+  for (const auto& header : installed) {
+    if (header == "version.hpp") continue;
+    std::string code = std::regex_replace(source_text("include/mnist_ddp/" + header), std::regex("//[^\n]*"), "");
+    code = std::regex_replace(code, std::regex(R"(friend (?:struct|class) \w+;|detail::\w+|class \w+;)"), "");
+    for (const auto& name : internal)
+      EXPECT_FALSE(std::regex_search(code, std::regex("\\b" + name + "\\b")))
+          << "installed header " << header << " names " << name << ", which is not installed";
+  }
+  // The examples: a program of a user's, built against an installed tree.
+  const std::regex include(R"re(#include\s*[<"]([^>"]+)[>"])re");
+  for (const auto& name : files::list_directory(std::string(MNIST_DDP_SOURCE_DIR) + "/examples")) {
+    if (name.find(".cpp") == std::string::npos && name.find(".hpp") == std::string::npos) continue;
+    const std::string text = source_text("examples/" + name);
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), include); it != std::sregex_iterator(); ++it) {
+      const std::string header = (*it)[1].str();
+      if (header.rfind("mnist_ddp/", 0) == 0) {
+        EXPECT_NE(std::find(installed.begin(), installed.end(), header.substr(10)), installed.end())
+            << "examples/" << name << " includes " << header << ", which is not installed";
+      } else {
+        EXPECT_TRUE(header.find('/') == std::string::npos || header.rfind("torch/", 0) == 0)
+            << "examples/" << name << " includes " << header << ": only installed headers, LibTorch's and its own";
+      }
+    }
+  }
 }
 
 }  // namespace

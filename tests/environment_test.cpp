@@ -8,7 +8,7 @@
 #include <functional>
 #include <map>
 
-#include "mnist_ddp/base/environment.hpp"
+#include "base/environment.hpp"
 #include "app/base/error_report.hpp"
 #include "app/base/options.hpp"
 #include "app/base/placement.hpp"

@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "app/base/files.hpp"
-#include "mnist_ddp/comm/store.hpp"
+#include "comm/store.hpp"
 #include "run_util.hpp"
 #include "test_util.hpp"
 

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "mnist_ddp/ddp.hpp"
+#include "examples/topk.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -110,7 +111,7 @@ TEST(Library, SeveralInputsAndOutputsTiedFrozenAndTwiceCalledParametersMatchTheO
   run_ranks(kWorld, [&](ProcessGroup& group) {
     auto model = models[group.rank()];
     DistributedDataParallel ddp(model, group, DdpOptions().bucket_cap_mb(1e-6));  // a bucket a parameter
-    EXPECT_EQ(ddp.reducer().buckets().size(), 6u) << "a, b and head, two each: the tied one once, the frozen one never";
+    EXPECT_EQ(DdpAccess::reducer(ddp).buckets().size(), 6u) << "a, b and head, two each: the tied one once, the frozen one never";
     torch::optim::SGD opt(model->parameters(), 0.1);
     for (int step = 0; step < 2; ++step) {
       opt.zero_grad();
@@ -214,15 +215,15 @@ TEST(Library, NoSyncOverMicroBatchesEqualsOneStepOnTheirConcatenation) {
       auto model = models[group.rank()];
       model->zero_grad();
       DistributedDataParallel ddp(model, group, DdpOptions().find_unused_parameters(find_unused));
-      const int64_t before = ddp.reducer().wire().bytes;
+      const int64_t before = ddp.wire_stats().bytes;
       for (int j = 0; j < k - 1; ++j) {
         auto guard = ddp.no_sync();
         ddp.forward(shard(micro[j], group.rank()), find_unused || true).pow(2).mean().backward();
       }
-      EXPECT_EQ(ddp.reducer().wire().bytes, before) << "no_sync sent something";
+      EXPECT_EQ(ddp.wire_stats().bytes, before) << "no_sync sent something";
       // The last micro-batch leaves `extra` out where that is allowed.
       ddp.forward(shard(micro[k - 1], group.rank()), !find_unused).pow(2).mean().backward();
-      EXPECT_GT(ddp.reducer().wire().bytes, before);
+      EXPECT_GT(ddp.wire_stats().bytes, before);
       got[group.rank()] = snapshot(*model);
     });
     auto oracle = models.back();
@@ -282,7 +283,7 @@ TEST(Library, ParametersOfTwoDtypesGoInBucketsOfTheirOwn) {
       model->zero_grad();
       DistributedDataParallel ddp(model, group);
       if (hook == "fp16") ddp.register_comm_hook(hooks::fp16_compress());
-      const auto& buckets = ddp.reducer().buckets();
+      const auto& buckets = DdpAccess::reducer(ddp).buckets();
       ASSERT_EQ(buckets.size(), 2u);
       EXPECT_EQ(buckets[0].buffer.scalar_type(), torch::kFloat64);
       EXPECT_EQ(buckets[1].buffer.scalar_type(), torch::kFloat32);
@@ -462,6 +463,84 @@ TEST(Library, AProgramsOwnHookRunsOncePerBucketAndBackward) {
   auto oracle = models.back();
   oracle->forward(x, true).pow(2).mean().backward();
   expect_oracle(got, snapshot(*oracle));
+}
+
+// examples/topk.hpp, a hook written as a program writes one, on 3 ranks
+// against its exact math in one process: each rank sends the k largest
+// entries of its gradient plus its error (values and indices, through the
+// Wire's allgather) and keeps the rest as its error; the average is the
+// sum of every rank's entries in rank order over the world size. Float64,
+// so that no near tie can pick other entries. The hook sees its bucket's
+// parameters and their names.
+TEST(Library, ATopKHookOverAllgatherMatchesItsExactMathOnThreeRanks) {
+  constexpr int kRanks = 3, kSteps = 3;
+  const double lr = 0.1;
+  torch::manual_seed(91);
+  auto start = std::make_shared<torch::nn::LinearImpl>(6, 4);
+  start->to(torch::kFloat64);
+  const auto x = torch::randn({kRanks * 5, 6}, torch::kFloat64), y = torch::randn({kRanks * 5, 4}, torch::kFloat64);
+  auto part = [&](const torch::Tensor& t, int r) { return t.slice(0, 5 * r, 5 * (r + 1)); };
+  std::vector<std::vector<torch::Tensor>> got(kRanks);  // each rank's parameters after the steps
+  std::vector<std::string> layout;                       // the bucket's parameter names, in bucket order
+  std::mutex mutex;
+  run_ranks(kRanks, [&](ProcessGroup& group) {
+    std::shared_ptr<torch::nn::LinearImpl> model;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      model = std::dynamic_pointer_cast<torch::nn::LinearImpl>(start->clone());
+    }
+    DistributedDataParallel ddp(model, group);
+    ddp.register_comm_hook(std::make_shared<TopKHook>(0.25));
+    const auto& bucket = DdpAccess::reducer(ddp).buckets().at(0);
+    ASSERT_EQ(bucket.parameters.size(), 2u);
+    for (size_t i = 0; i < 2; ++i)
+      EXPECT_TRUE(bucket.parameters[i].is_same(bucket.parameter_names[i] == "weight" ? model->weight : model->bias))
+          << bucket.parameter_names[i];
+    torch::optim::SGD sgd(model->parameters(), lr);
+    for (int step = 0; step < kSteps; ++step) {
+      sgd.zero_grad();
+      torch::mse_loss(ddp.forward(part(x, group.rank())), part(y, group.rank())).backward();
+      sgd.step();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    if (group.rank() == 0) layout = bucket.parameter_names;
+    for (const auto& p : model->parameters()) got[group.rank()].push_back(p.detach().clone());
+  });
+  ASSERT_EQ(layout.size(), 2u);
+  // The oracle: one model, each rank's gradient on its part, top-k by hand.
+  auto oracle = std::dynamic_pointer_cast<torch::nn::LinearImpl>(start->clone());
+  std::vector<torch::Tensor> error(kRanks);
+  for (int step = 0; step < kSteps; ++step) {
+    torch::Tensor sum;
+    for (int r = 0; r < kRanks; ++r) {
+      oracle->zero_grad();
+      torch::mse_loss(oracle->forward(part(x, r)), part(y, r)).backward();
+      std::vector<torch::Tensor> flat;
+      for (const auto& name : layout) flat.push_back((name == "weight" ? oracle->weight : oracle->bias).grad().reshape(-1));
+      torch::Tensor m = torch::cat(flat);
+      if (error[r].defined()) m = error[r] + m;
+      const int64_t k = static_cast<int64_t>(std::ceil(0.25 * static_cast<double>(m.numel())));
+      const auto indices = std::get<1>(m.abs().topk(k));
+      if (!sum.defined()) sum = torch::zeros_like(m);
+      sum.index_add_(0, indices, m.index_select(0, indices));
+      error[r] = m.index_fill(0, indices, 0);
+    }
+    const torch::Tensor average = sum / kRanks;
+    torch::NoGradGuard no_grad;
+    int64_t at = 0;
+    for (const auto& name : layout) {
+      torch::Tensor p = name == "weight" ? oracle->weight : oracle->bias;
+      p.add_(average.slice(0, at, at + p.numel()).view_as(p), -lr);
+      at += p.numel();
+    }
+  }
+  const auto expected = oracle->parameters();
+  for (int r = 0; r < kRanks; ++r)
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_LE(max_abs_diff(got[r][i], expected[i]), 1e-12) << "rank " << r << " parameter " << i;
+      EXPECT_TRUE(torch::equal(got[r][i], got[0][i])) << "replica " << r << " parameter " << i;
+    }
+  EXPECT_GT(max_abs_diff(got[0][0], start->weight), 0) << "the steps changed nothing";
 }
 
 // PowerSGD's state saved with torch::save and loaded with torch::load into

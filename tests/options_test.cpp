@@ -7,7 +7,7 @@
 #include <regex>
 #include <sstream>
 
-#include "mnist_ddp/base/environment.hpp"
+#include "base/environment.hpp"
 #include "app/base/options.hpp"
 #include "test_util.hpp"
 

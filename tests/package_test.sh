@@ -7,7 +7,7 @@
 #   bash tests/package_test.sh CASE SOURCE_DIR BUILD_DIR TORCH_DIR
 #
 # CASE: build (installs and builds the examples into BUILD_DIR/package; the
-# other cases use them), refuse, launchers, run-errors.
+# other cases use them), refuse, launchers, run-errors, subdirectory.
 # Exit 0: passed; 77: skipped, the reason printed; else failed, saying what.
 # Every command is bounded in time; every port is one the kernel picked.
 set -euo pipefail
@@ -16,7 +16,7 @@ case_name="${1:-}" src="${2:-}" build="${3:-}" torch_dir="${4:-}"
   { echo "usage: package_test.sh CASE SOURCE_DIR BUILD_DIR TORCH_DIR" >&2; exit 2; }
 pkg="$build/package"
 examples="$pkg/build"
-mnist_ddp="$build/mnist_ddp"
+mnist_ddp="$pkg/prefix/bin/mnist_ddp"  # the installed launcher
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
@@ -40,11 +40,21 @@ case "$case_name" in
     [ "$rc" = 0 ] || fail "cmake --install: $out"
     [ -f "$pkg/prefix/include/mnist_ddp/ddp.hpp" ] || fail "no include/mnist_ddp/ddp.hpp installed"
     [ -f "$pkg/prefix/lib/cmake/mnist_ddp/mnist_ddpConfig.cmake" ] || fail "no package config installed"
-    # The application's headers and the library's private ones stay out.
+    [ -x "$mnist_ddp" ] || fail "no bin/mnist_ddp installed (the launcher)"
+    # The API is what is installed: the application's headers and the
+    # internals' stay out, and a program that names one does not compile.
     leaked="$(cd "$pkg/prefix" && find . -name '*.hpp' | grep -vE '^\./include/mnist_ddp/' || true)"
     [ -z "$leaked" ] || fail "installed outside include/mnist_ddp: $leaked"
-    for private in rendezvous shared_memory exact_math trainer options; do
-      [ -z "$(find "$pkg/prefix" -name "$private.hpp")" ] || fail "$private.hpp is installed"
+    for internal in "$src"/src/*/*.hpp "$src"/app/*.hpp "$src"/app/*/*.hpp; do
+      name="$(basename "$internal")"
+      [ -z "$(find "$pkg/prefix" -name "$name")" ] || fail "$name is installed"
+    done
+    for internal in base/environment comm/store comm/collectives comm/group parallel/reducer; do
+      printf '#include <mnist_ddp/%s.hpp>\n' "$internal" >"$tmp/probe.cpp"
+      if c++ -E -I"$pkg/prefix/include" "$tmp/probe.cpp" >/dev/null 2>"$tmp/probe.err" ||
+         ! grep -q "No such file" "$tmp/probe.err"; then
+        fail "a program that includes mnist_ddp/$internal.hpp finds it: $(cat "$tmp/probe.err")"
+      fi
     done
     # Unoptimised: the examples' own code is glue around the library, and parsing torch.h is the cost.
     run cmake -S "$src/examples" -B "$examples" "${generator[@]}" -DCMAKE_BUILD_TYPE= \
@@ -53,6 +63,8 @@ case "$case_name" in
     run cmake --build "$examples" -j "$(nproc)"
     [ "$rc" = 0 ] || fail "building examples/: $out"
     for e in two_inputs resnet dcgan; do [ -x "$examples/$e" ] || fail "no $e built"; done
+    grep -q "mnist_ddp_LAUNCHER" "$pkg/prefix/lib/cmake/mnist_ddp/mnist_ddpConfig.cmake" ||
+      fail "the package config names no launcher"
     echo "installed into $pkg/prefix; examples/ built against it in $examples"
     ;;
 
@@ -98,8 +110,10 @@ case "$case_name" in
 
   launchers)
     # The same two-rank job under every launcher: the same losses, and
-    # identical replicas (each example checks them before it prints).
+    # identical replicas (each example checks them before it prints). A
+    # launcher that is not here is named, and the case skips at its end.
     [ -x "$examples/two_inputs" ] || fail "no examples built: the build case runs first"
+    missing=()
     run "$examples/two_inputs" 12
     [ "$rc" = 0 ] || fail "two_inputs alone: $out"
     [[ "$out" == *"rank 0 of 1 (alone, cpu)"* ]] || fail "two_inputs alone: $out"
@@ -119,7 +133,7 @@ case "$case_name" in
       [ "$(results "$out")" = "$ours" ] || fail "torchrun's job differs from mnist_ddp run's: $out"
       echo "torchrun: the same"
     else
-      echo "torchrun: not here (python3-torch)"
+      missing+=("torchrun (python3-torch)")
     fi
     if command -v mpirun.openmpi >/dev/null; then
       run mpirun.openmpi --allow-run-as-root --oversubscribe -np 2 -x MASTER_PORT="$(free_port)" "$examples/two_inputs" 12
@@ -127,7 +141,7 @@ case "$case_name" in
       [ "$(results "$out")" = "$ours" ] || fail "mpirun's job differs from mnist_ddp run's: $out"
       echo "mpirun: the same"
     else
-      echo "mpirun: not here (openmpi-bin)"
+      missing+=("mpirun (openmpi-bin)")
     fi
     if command -v mpiexec.mpich >/dev/null; then
       run env MASTER_PORT="$(free_port)" mpiexec.mpich -n 2 "$examples/two_inputs" 12
@@ -135,7 +149,7 @@ case "$case_name" in
       [ "$(results "$out")" = "$ours" ] || fail "mpiexec's job differs from mnist_ddp run's: $out"
       echo "mpiexec: the same"
     else
-      echo "mpiexec: not here (mpich)"
+      missing+=("mpiexec (mpich)")
     fi
     # A Kubeflow pod per rank, started without torchrun.
     port="$(free_port)"
@@ -166,6 +180,7 @@ case "$case_name" in
     run "$mnist_ddp" run --nproc 2 -- "$examples/resnet" "$tmp/fashion" 8
     [ "$rc" = 0 ] && [ "$(results "$out" | grep -c 'replicas identical')" = 2 ] || fail "resnet: $out"
     results "$out"
+    [ "${#missing[@]}" = 0 ] || skip "every other launcher ran the examples alike; not here: ${missing[*]}"
     ;;
 
   run-errors)
@@ -181,14 +196,17 @@ case "$case_name" in
     run "$mnist_ddp" run --nproc 0 -- true
     [ "$rc" = 2 ] && [ "$(wc -l <<<"$out")" = 1 ] && [[ "$out" == *"--nproc"* ]] || fail "--nproc 0: rc $rc: $out"
     echo "$out"
-    # Rank 1 fails at once; rank 0 would sleep for a minute.
-    printf '#!/bin/sh\n[ "$LOCAL_RANK" = 1 ] && exit 3\nexec sleep 60\n' >"$tmp/flaky"
+    # Rank 1 fails at once; rank 0 would sleep for a minute, and says which
+    # process it is (it execs sleep, so its pid is the sleep's).
+    printf '#!/bin/sh\n[ "$LOCAL_RANK" = 1 ] && exit 3\necho $$ >"%s/sleeper"\nexec sleep 60\n' "$tmp" >"$tmp/flaky"
     chmod 755 "$tmp/flaky"
     start=$SECONDS
     run "$mnist_ddp" run --nproc 2 -- "$tmp/flaky"
     [ "$rc" = 3 ] && [[ "$out" == *"worker rank 1"*"exited with status 3"* ]] || fail "a failing worker: rc $rc: $out"
     [ $((SECONDS - start)) -lt 30 ] || fail "the launcher took $((SECONDS - start)) s to stop the other worker"
-    ! pgrep -f "$tmp/flaky" >/dev/null || fail "a worker outlived its launcher"
+    sleeper="$(cat "$tmp/sleeper" 2>/dev/null || true)"
+    [[ "$sleeper" =~ ^[1-9][0-9]*$ ]] || fail "rank 0 never started (no pid written): $out"
+    ! kill -0 "$sleeper" 2>/dev/null || fail "rank 0 (pid $sleeper) outlived its launcher"
     echo "$out"
     # Restarts: the program starts again, with the restart count it can read.
     printf '#!/bin/sh\necho "start $MNIST_DDP_ROUND rank $LOCAL_RANK"\n[ "$MNIST_DDP_ROUND" = 0 ] && [ "$LOCAL_RANK" = 0 ] && exit 1\nexit 0\n' \
@@ -197,6 +215,28 @@ case "$case_name" in
     run "$mnist_ddp" run --nproc 2 --max-restarts 1 -- "$tmp/once"
     [ "$rc" = 0 ] && [[ "$out" == *"restart 1 of 1"* ]] && [[ "$out" == *"start 1 rank 0"* ]] || fail "a restart: rc $rc: $out"
     echo "restarted once, then exit 0"
+    ;;
+
+  subdirectory)
+    # A project that pulls the checkout in with add_subdirectory gets
+    # mnist_ddp::ddp and nothing else: no application, tests or examples to
+    # build, nothing to install. Configured only: the build is the library's.
+    mkdir -p "$tmp/parent"
+    printf '%s\n' "cmake_minimum_required(VERSION 3.18)" "project(parent LANGUAGES CXX)" \
+      "add_subdirectory(\"$src\" mnist_ddp)" "add_executable(train train.cpp)" \
+      "target_link_libraries(train PRIVATE mnist_ddp::ddp)" >"$tmp/parent/CMakeLists.txt"
+    printf '#include <mnist_ddp/ddp.hpp>\nint main() { return mnist_ddp::init_process_group().rank(); }\n' \
+      >"$tmp/parent/train.cpp"
+    command -v ninja >/dev/null || skip "no ninja to list the parent project's targets (ninja-build)"
+    run cmake -S "$tmp/parent" -B "$tmp/parent-build" -G Ninja "-DTorch_DIR=$torch_dir"
+    [ "$rc" = 0 ] || fail "configuring a project that adds the checkout as a subdirectory: $out"
+    targets="$(ninja -C "$tmp/parent-build" -t targets all 2>&1)"
+    grep -q 'libmnist_ddp\.a' <<<"$targets" || fail "no mnist_ddp library to build in the parent project: $targets"
+    for unwanted in 'mnist_ddp/mnist_ddp:' 'mnist_ddp/tests/' 'libmnist_ddp_app' 'examples'; do
+      ! grep -q "$unwanted" <<<"$targets" || fail "the parent project would build $unwanted: $(grep "$unwanted" <<<"$targets")"
+    done
+    ! grep -q '^install' <<<"$targets" || fail "the parent project installs mnist_ddp's files"
+    echo "a parent project gets mnist_ddp::ddp alone"
     ;;
 
   *) echo "package_test.sh: unknown case $case_name" >&2; exit 2 ;;

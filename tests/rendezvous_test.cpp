@@ -10,7 +10,7 @@
 #include <unistd.h>
 
 #include "mnist_ddp/comm/process_group.hpp"
-#include "mnist_ddp/comm/store.hpp"
+#include "comm/store.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {

@@ -16,7 +16,7 @@
 #include <thread>
 
 #include "comm/shared_memory.hpp"
-#include "mnist_ddp/comm/store.hpp"
+#include "comm/store.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -60,11 +60,11 @@ TEST(SharedMemory, SumsEveryDtypeInRankOrderAsTheExactMath) {
       world,
       [&](ProcessGroup& group) {
         bool shares = false;
-        group.stream()->run([&](Channel& c) { shares = c.shares_memory(); });
+        bulk_stream(group)->run([&](Channel& c) { shares = c.shares_memory(); });
         ASSERT_TRUE(shares);
         for (const auto& s : sums) {
           torch::Tensor mine = values(group.rank(), s.n, s.dtype);
-          group.stream()->allreduce_sum(mine);
+          bulk_stream(group)->allreduce_sum(mine);
           torch::Tensor expected;
           if (s.dtype == torch::kFloat16) {
             expected = values(0, s.n, s.dtype).to(torch::kFloat32);
@@ -79,7 +79,7 @@ TEST(SharedMemory, SumsEveryDtypeInRankOrderAsTheExactMath) {
         // A view that is not contiguous is summed in place.
         torch::Tensor matrix = values(group.rank(), 12, torch::kFloat32).view({3, 4});
         torch::Tensor column = matrix.select(1, 2);
-        group.stream()->allreduce_sum(column);
+        bulk_stream(group)->allreduce_sum(column);
         torch::Tensor expected = values(0, 12, torch::kFloat32).view({3, 4}).select(1, 2).clone();
         for (int r = 1; r < world; ++r) expected += values(r, 12, torch::kFloat32).view({3, 4}).select(1, 2);
         EXPECT_TRUE(torch::equal(matrix.select(1, 2), expected));

@@ -18,7 +18,7 @@ using test::run_ranks;
 struct Case {
   std::vector<int64_t> batch_sizes;  // one per rank; they may differ, and be 0
   int steps;
-  bool relu = false;  // SyncBatchNorm::forward_relu against relu(BatchNorm2d)
+  bool relu = false;  // sync_batch_norm_relu against relu(BatchNorm2d)
   test::Sums sums = test::Sums::gloo;
 };
 
@@ -71,12 +71,12 @@ void expect_matches_batch_norm_on_the_concatenated_batch(const Case& c, torch::D
     for (int s = 0; s < c.steps; ++s) {
       bn->zero_grad();
       auto x = xs[s].slice(0, lo, hi).to(device).requires_grad_(true);
-      auto y = c.relu ? bn->forward_relu(x) : bn->forward(x);
+      auto y = c.relu ? sync_batch_norm_relu(*bn, x) : bn->forward(x);
       (y * gs[s].slice(0, lo, hi).to(device)).sum().backward();
       EXPECT_LE(max_abs_diff(y, oracle_y[s].slice(0, lo, hi)), 1e-5) << "output, step " << s;
       EXPECT_LE(max_abs_diff(x.grad(), oracle_dx[s].slice(0, lo, hi)), 1e-5) << "input gradient, step " << s;
       auto shares = torch::cat({bn->weight.grad(), bn->bias.grad()});
-      group.stream()->allreduce_sum(shares);
+      bulk_stream(group)->allreduce_sum(shares);
       EXPECT_LE(max_abs_diff(shares.slice(0, 0, channels), oracle_dw[s]), 1e-5) << "weight gradient, step " << s;
       EXPECT_LE(max_abs_diff(shares.slice(0, channels), oracle_db[s]), 1e-5) << "bias gradient, step " << s;
     }

@@ -39,6 +39,10 @@
 #include "app/base/files.hpp"
 #include "app/base/options.hpp"
 #include "mnist_ddp/comm/process_group.hpp"
+#include "comm/group.hpp"
+#include "parallel/batch_norm_relu.hpp"
+#include "parallel/reducer.hpp"
+#include "parallel/wires.hpp"
 #include "app/train/report.hpp"
 
 namespace mnist_ddp::test {
@@ -65,7 +69,7 @@ inline void run_ranks(int world, const std::function<void(ProcessGroup&)>& fn, t
         ProcessGroup group = make_process_group(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(60),
                               sums == Sums::shared_memory);
         fn(group);
-        if (world > 1) group.stream()->barrier();  // no rank tears its group down while another still talks on it
+        if (world > 1) bulk_stream(group)->barrier();  // no rank tears its group down while another still talks on it
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex);
         if (!failure) failure = std::current_exception();
@@ -429,7 +433,7 @@ inline void run_rank_processes(int world, const std::function<void(ProcessGroup&
     auto store = c10::make_intrusive<c10d::FileStore>(std::getenv("MNIST_DDP_TEST_STORE"), world);
     ProcessGroup group = make_process_group(store, std::atoi(rank), world, "gloo", device, std::chrono::seconds(60));
     fn(group);
-    if (world > 1) group.stream()->barrier();
+    if (world > 1) bulk_stream(group)->barrier();
     return;
   }
   TempDir dir;

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "mnist_ddp/base/environment.hpp"
+#include "base/environment.hpp"
 
 namespace mnist_ddp {
 

@@ -2,7 +2,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "mnist_ddp/base/environment.hpp"
+#include "base/environment.hpp"
 
 #include <algorithm>
 #include <cfloat>

@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "app/base/files.hpp"
-#include "mnist_ddp/comm/store.hpp"
+#include "comm/store.hpp"
 #include "app/launch/restart_rounds.hpp"
 #include "app/launch/supervisor.hpp"
 #include "app/train/checkpoint.hpp"
@@ -146,6 +146,7 @@ class Launcher {
       w.backend = placement_.backend;
       w.device = device_of_local_rank(placement_, r);
       w.error_report_fd = supervisor_.report_fd();
+      w.timeout_ms = static_cast<int>(timeout().count());  // a program's process group takes it (process_group.hpp)
       const auto env = worker_environment(w, env_.variables, static_cast<int>(std::thread::hardware_concurrency()),
                                           launched);
       supervisor_.start(r, workers_.program, argv, env);
@@ -220,8 +221,11 @@ class Launcher {
     interrupted_ = true;
     if (isatty(STDERR_FILENO)) std::cerr << "\r\033[K";  // rank 0's progress line
     if (sig == SIGTERM || sig == SIGUSR1) {  // preemption: keep the step the workers are on
-      std::cout << "mnist_ddp: " << signal_name(sig)
-                << " received: the workers checkpoint the step they are on, then stop" << std::endl;
+      std::cout << "mnist_ddp: " << signal_name(sig) << " received: passed on to the "
+                << (workers_.ours ? "workers, which checkpoint the step they are on, then stop"
+                                  : "job's processes, which have " + std::to_string(static_cast<int>(kPreemptionGrace.count())) +
+                                        " s to stop")
+                << std::endl;
       if (rounds_) rounds_->preempt(round_, signal_name(sig));
       supervisor_.stop(sig, kPreemptionGrace);
     } else {

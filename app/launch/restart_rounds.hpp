@@ -21,7 +21,7 @@
 // says; one object per launcher.
 #pragma once
 
-#include "mnist_ddp/comm/store.hpp"
+#include "comm/store.hpp"
 
 #include <chrono>
 #include <functional>

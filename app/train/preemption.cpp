@@ -4,6 +4,8 @@
 
 #include <atomic>
 
+#include "comm/group.hpp"
+
 namespace mnist_ddp {
 namespace {
 
@@ -30,13 +32,13 @@ int preemption_signal() { return g_preemption_signal; }
 int StopVote::after_step() {
   int agreed = 0;
   if (votes_.defined()) {
-    group_.quick()->wait(ticket_);
+    quick_stream(group_)->wait(ticket_);
     const torch::Tensor votes = votes_.cpu();
     agreed = votes[0].item<double>() > 0 ? SIGTERM : votes[1].item<double>() > 0 ? SIGUSR1 : 0;
   }
   const int mine = preemption_signal();
   votes_ = torch::tensor({mine == SIGTERM ? 1.0 : 0.0, mine == SIGUSR1 ? 1.0 : 0.0}, torch::kFloat64).to(group_.device());
-  ticket_ = group_.quick()->post([votes = votes_](Channel& c) { c.allreduce_sum(votes)->waitAndThrow(); });
+  ticket_ = quick_stream(group_)->post([votes = votes_](Channel& c) { c.allreduce_sum(votes)->waitAndThrow(); });
   return agreed;
 }
 

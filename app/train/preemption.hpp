@@ -13,6 +13,7 @@
 #include <string>
 
 #include "mnist_ddp/comm/process_group.hpp"
+#include "comm/collectives.hpp"
 
 namespace mnist_ddp {
 

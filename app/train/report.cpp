@@ -8,6 +8,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "comm/group.hpp"
+
 
 namespace mnist_ddp {
 
@@ -114,7 +116,7 @@ Json summary_head(const Arguments& arguments, const Runtime& r, const ProcessGro
                      {"store", r.store}};
   head["world"] = {{"ranks", group.world_size()},
                    {"backend", group.backend()},
-                   {"sums", group.stream()->shares_memory() ? "shared memory" : group.backend()},
+                   {"sums", bulk_stream(group)->shares_memory() ? "shared memory" : group.backend()},
                    {"device_of_rank_0", r.device},
                    {"intra_op_threads_of_rank_0", at::get_num_threads()},
                    {"nodes", nnodes},

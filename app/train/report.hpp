@@ -21,7 +21,7 @@
 #include "app/base/files.hpp"
 #include "app/base/options.hpp"
 #include "mnist_ddp/comm/process_group.hpp"
-#include "mnist_ddp/comm/runtime.hpp"
+#include "comm/runtime.hpp"
 
 namespace mnist_ddp {
 

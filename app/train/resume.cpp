@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "app/base/files.hpp"
+#include "comm/group.hpp"
 
 namespace mnist_ddp {
 namespace {
@@ -120,7 +121,7 @@ std::optional<Checkpoint> receive_checkpoint(const Options& opts, ProcessGroup& 
     files = read_checkpoint_files(files.dir);
     if (!files.fallback.empty()) spdlog::warn("{}", files.fallback);
   }
-  group.stream()->broadcast_bytes(files.manifest);
+  bulk_stream(group)->broadcast_bytes(files.manifest);
   if (files.manifest.empty()) {
     if (opts.resume == "auto" && group.rank() == 0) {
       const std::vector<std::string> found = checkpoint_leftovers(checkpoint_dir(opts));
@@ -133,7 +134,7 @@ std::optional<Checkpoint> receive_checkpoint(const Options& opts, ProcessGroup& 
     }
     return std::nullopt;
   }
-  for (auto* bytes : {&files.model, &files.training}) group.stream()->broadcast_bytes(*bytes);
+  for (auto* bytes : {&files.model, &files.training}) bulk_stream(group)->broadcast_bytes(*bytes);
   Checkpoint c = parse_checkpoint(files);
   check_resumable(c, opts, resume_dir(opts));
   return c;
@@ -187,7 +188,7 @@ Position restore(const Checkpoint& c, const TrainingParts& parts, const Options&
       c.training.at(own + kThreads).item<int64_t>() != at::get_num_threads())
     other_threads.fill_(1);
   other_threads = other_threads.to(group.device());
-  group.quick()->allreduce_sum(other_threads);
+  quick_stream(group)->allreduce_sum(other_threads);
   if (group.rank() == 0 && other_threads.cpu().item<double>() > 0)
     spdlog::warn("The checkpoint was written with {} intra-op thread(s) on rank 0 and this run has {} ({} rank(s) "
                  "differ): it goes on from the checkpoint, but will not end bit-identical to a run never stopped, "
@@ -217,7 +218,7 @@ std::optional<Checkpoint> capture(const Position& at, const torch::nn::Module& m
                                   const Options& opts, const Arguments& arguments, const ProcessGroup& group) {
   // Every rank's own state on rank 0: the same names in the same order everywhere.
   std::vector<std::pair<std::string, std::vector<torch::Tensor>>> gathered;
-  for (const auto& [key, value] : own_state(parts, group)) gathered.emplace_back(key, group.stream()->gather_to_rank0(value));
+  for (const auto& [key, value] : own_state(parts, group)) gathered.emplace_back(key, bulk_stream(group)->gather_to_rank0(value));
   if (group.rank() != 0) return std::nullopt;
 
   Checkpoint c;

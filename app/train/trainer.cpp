@@ -10,12 +10,14 @@
 #include <string>
 #include <thread>
 
-#include "mnist_ddp/base/environment.hpp"
+#include "base/environment.hpp"
 #include "app/base/files.hpp"
 #include "app/base/logging.hpp"
 #include "mnist_ddp/parallel/comm_hooks.hpp"
 #include "app/train/model.hpp"
 #include "mnist_ddp/parallel/sync_batch_norm.hpp"
+#include "comm/group.hpp"
+#include "comm/runtime.hpp"
 
 namespace mnist_ddp {
 namespace {
@@ -68,7 +70,7 @@ NetDdp build_model(const Options& opts, ProcessGroup& group, const std::optional
   net->to(group.device());
   NetDdp ddp(net, group, DdpOptions().bucket_cap_mb(opts.bucket_cap_mb).broadcast_buffers(false));
   ddp.register_comm_hook(make_comm_hook(opts.compression, opts.powersgd));
-  for (const auto& line : ddp.reducer().describe_buckets()) spdlog::info("DDP {}", line);
+  for (const auto& line : ddp.describe_buckets()) spdlog::info("DDP {}", line);
   spdlog::info("Communication hook: {}", ddp.comm_hook().name());
   if (opts.compression.find("powersgd") != std::string::npos) {
     const auto& p = opts.powersgd;
@@ -103,7 +105,7 @@ std::array<double, 3> test_metrics(NetDdp& ddp, const Dataset& data, const torch
     local[3] += static_cast<double>(y.size(0));
   }
   auto sums = torch::tensor({local[0], local[1], local[2], local[3]}, torch::kFloat64).to(group.device());
-  group.quick()->allreduce_sum(sums);
+  quick_stream(group)->allreduce_sum(sums);
   sums = sums.cpu();
   const auto s = sums.accessor<double, 1>();
   return {s[0] / s[3], 100.0 * s[1] / s[3], 100.0 * s[2] / s[3]};
@@ -137,7 +139,7 @@ Trainer::Trainer(const Options& opts, const RunContext& run, ProcessGroup& group
   for (const auto& [name, value] : run.arguments) spdlog::info("{}: {}", name, value);
   spdlog::info("Runtime: {}", runtime_of(group.device()).describe());
   spdlog::info("Process group: {} over {} rank(s){}, device {}, {} intra-op thread(s) on rank 0", group.backend(),
-               group.world_size(), group.stream()->shares_memory() ? ", sums through shared memory" : "", group.device().str(),
+               group.world_size(), bulk_stream(group)->shares_memory() ? ", sums through shared memory" : "", group.device().str(),
                at::get_num_threads());
   spdlog::info("Data: {} training and {} test images from {}", train_.size(), test_.size(),
                raw_dir(opts.data_dir, opts.dataset));
@@ -178,7 +180,7 @@ int Trainer::run() {
                  resume_dir(opts_),
                  at_.epoch >= opts_.epochs ? "all " + std::to_string(opts_.epochs) + " epochs"
                                            : "its --max-steps " + std::to_string(opts_.max_steps) + " steps");
-    group_.stream()->barrier();
+    bulk_stream(group_)->barrier();
     return 0;
   }
   for (int64_t epoch = at_.epoch; epoch < opts_.epochs && !max_steps_reached(); ++epoch) {
@@ -186,7 +188,7 @@ int Trainer::run() {
     EpochReport report = train_epoch(epoch);
     if (stop_signal_) return stop(stop_signal_);
     test(report);
-    ddp_->reducer().check_replicas("after epoch " + std::to_string(epoch));
+    ddp_->check_replicas("after epoch " + std::to_string(epoch));
     ++replica_checks_;
     if (summary_) {
       summary_->add_epoch(report, at_.best_accuracy);
@@ -209,7 +211,7 @@ int Trainer::stop(int sig) {
     summary_->set("preempted", Json(signal_name(sig)));
     summary_->write();
   }
-  group_.stream()->barrier();  // nobody leaves while a peer still needs the store
+  bulk_stream(group_)->barrier();  // nobody leaves while a peer still needs the store
   return sig;
 }
 
@@ -225,7 +227,7 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
   report.lr = current_lr(*optimizer_);
   const auto start = Clock::now();
   if (metrics_) metrics_->restart_rows();
-  const int64_t bytes_at_start = ddp_->reducer().wire().bytes, elements_at_start = ddp_->reducer().wire().elements;
+  const int64_t bytes_at_start = ddp_->wire_stats().bytes, elements_at_start = ddp_->wire_stats().elements;
   int64_t images = 0;
   double smoothed_loss = 0;  // rank 0's own, for the progress line
   auto drawn = Clock::now() - std::chrono::seconds(1);
@@ -246,7 +248,7 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
       spdlog::info("Startup: first step {:.2f} s after launch", startup);
       if (summary_) summary_->set("startup_s", startup);
     }
-    const int64_t bytes_before = ddp_->reducer().wire().bytes;
+    const int64_t bytes_before = ddp_->wire_stats().bytes;
     torch::Tensor output, labels;
     const torch::Tensor loss = step(x, y, output, labels);
     if (at_.step == kill_after_step_) raise(SIGKILL);
@@ -254,7 +256,7 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
     at_.batch = b + 1;
     ++report.steps;
     images += y.size(0) * group_.world_size();
-    if (metrics_) metrics_->count_step(y.size(0) * group_.world_size(), ddp_->reducer().wire().bytes - bytes_before);
+    if (metrics_) metrics_->count_step(y.size(0) * group_.world_size(), ddp_->wire_stats().bytes - bytes_before);
     if (b % opts_.log_interval == 0) log_train(report, b, batches, loss, output, labels);
     if ((stop_signal_ = stop_vote_.after_step())) break;
     if (opts_.checkpoint_steps > 0 && at_.step % opts_.checkpoint_steps == 0) save_checkpoint();
@@ -279,10 +281,10 @@ EpochReport Trainer::train_epoch(int64_t epoch) {
   stats_.images += images;
   stats_.seconds += report.seconds;
   const int64_t per_step = std::max<int64_t>(1, report.steps);
-  report.wire_bytes_per_step = (ddp_->reducer().wire().bytes - bytes_at_start) / per_step;
+  report.wire_bytes_per_step = (ddp_->wire_stats().bytes - bytes_at_start) / per_step;
   spdlog::info("Epoch {}: {} steps in {:.1f} s, {:.0f} images/s; per step on the wire: {} elements, {} bytes", epoch,
                report.steps, report.seconds, report.images_per_s,
-               (ddp_->reducer().wire().elements - elements_at_start) / per_step, report.wire_bytes_per_step);
+               (ddp_->wire_stats().elements - elements_at_start) / per_step, report.wire_bytes_per_step);
   return report;
 }
 
@@ -293,8 +295,8 @@ torch::Tensor Trainer::step(const torch::Tensor& x, const torch::Tensor& y, torc
     if (opts_.compression.find("powersgd") != std::string::npos)
       spdlog::info("Start to apply PowerSGD after {} iterations.", at_.step);
   }
-  const int64_t bytes_before = ddp_->reducer().wire().bytes;
-  const double waiting_before = ddp_->reducer().communication_wait_seconds();
+  const int64_t bytes_before = ddp_->wire_stats().bytes;
+  const double waiting_before = ddp_->communication_wait_seconds();
   double forward_s = 0, backward_s = 0;
   optimizer_->zero_grad();
   // --accumulate micro-batches: every one but the last under no_sync, each
@@ -334,7 +336,7 @@ torch::Tensor Trainer::step(const torch::Tensor& x, const torch::Tensor& y, torc
     optimizer_->step();
   }
   stats_.add_step(forward_s, backward_s, seconds_since(t2),
-                  ddp_->reducer().communication_wait_seconds() - waiting_before, ddp_->reducer().wire().bytes - bytes_before, compressed);
+                  ddp_->communication_wait_seconds() - waiting_before, ddp_->wire_stats().bytes - bytes_before, compressed);
   ++at_.step;
   return loss;
 }
@@ -346,7 +348,7 @@ void Trainer::log_train(EpochReport& report, int64_t batch, int64_t batches, con
   // Every rank's loss and accuracies, averaged over ranks as the reference does.
   auto metrics = torch::stack({loss.detach().to(torch::kFloat64), top1.to(torch::kFloat64) * percent,
                                top5.to(torch::kFloat64) * percent});
-  group_.quick()->allreduce_sum(metrics);
+  quick_stream(group_)->allreduce_sum(metrics);
   metrics = (metrics / group_.world_size()).cpu();
   const auto m = metrics.accessor<double, 1>();
   report.train_loss = m[0];
@@ -395,7 +397,8 @@ TrainingParts Trainer::parts() {
 
 void Trainer::finish() {
   int64_t uncompressed = 0;  // what `none` sends each step
-  for (const auto& b : ddp_->reducer().buckets()) uncompressed += b.buffer.numel() * b.buffer.element_size();
+  for (const auto& p : ddp_->module()->parameters())
+    if (p.requires_grad()) uncompressed += p.numel() * static_cast<int64_t>(p.element_size());
   log_training(stats_, uncompressed, ddp_->comm_hook().name(), opts_.powersgd.start_powersgd_iter());
   if (summary_) {
     summary_->finish(stats_, uncompressed, ddp_->comm_hook().name(), group_.world_size(), replica_checks_);
@@ -403,7 +406,7 @@ void Trainer::finish() {
   }
   // Checked after each epoch; no epoch run: as DDP broadcast them.
   spdlog::info("Replicas: all {} ranks hold identical parameters", group_.world_size());
-  group_.stream()->barrier();  // nobody leaves while a peer still needs the store
+  bulk_stream(group_)->barrier();  // nobody leaves while a peer still needs the store
 }
 
 }  // namespace mnist_ddp

@@ -1,5 +1,7 @@
 // mnist_ddp: data-parallel training for LibTorch programs. The one header a
-// program includes; docs/library.md shows the API and a porting guide.
+// program includes for the library (it brings every installed header, and
+// of LibTorch what they use: a program includes <torch/torch.h> for its own
+// model); docs/library.md shows the API and a porting guide.
 //
 //   auto group = mnist_ddp::init_process_group();   // the launcher's job, or a world of 1
 //   mnist_ddp::convert_sync_batchnorm(model);

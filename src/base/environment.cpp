@@ -1,4 +1,4 @@
-#include "mnist_ddp/base/environment.hpp"
+#include "base/environment.hpp"
 
 #include <unistd.h>  // environ
 
@@ -28,7 +28,8 @@ const double g_process_start = unix_seconds();
 const std::set<std::string> kLauncherVariables = {
     "RANK",          "LOCAL_RANK",     "WORLD_SIZE",         "LOCAL_WORLD_SIZE",      "GROUP_RANK",
     "MASTER_ADDR",   "MASTER_PORT",    "MNIST_DDP_NNODES",   "MNIST_DDP_ROUND",       "MNIST_DDP_ERROR_FD",
-    "MNIST_DDP_LAUNCH_TIME", "MNIST_DDP_BACKEND", "MNIST_DDP_DEVICE", "NODE_RANK", "MNIST_DDP_STORE_PREFIX"};
+    "MNIST_DDP_LAUNCH_TIME", "MNIST_DDP_BACKEND", "MNIST_DDP_DEVICE", "NODE_RANK", "MNIST_DDP_STORE_PREFIX",
+    "MNIST_DDP_TIMEOUT_MS"};
 
 // Reads integers out of an Environment, naming the variable when one is malformed.
 class Reader {
@@ -145,6 +146,7 @@ WorkerEnv ours(const Reader& env) {
   w.restart = w.round;
   w.backend = env.text("MNIST_DDP_BACKEND", "gloo");
   w.device = env.has("MNIST_DDP_DEVICE") ? env.integer("MNIST_DDP_DEVICE", std::nullopt) : -1;
+  w.timeout_ms = env.integer("MNIST_DDP_TIMEOUT_MS", 0);
   return w;
 }
 
@@ -342,6 +344,7 @@ std::vector<std::string> worker_environment(const WorkerEnv& env, const std::vec
   if (!env.backend.empty()) out.push_back("MNIST_DDP_BACKEND=" + env.backend);
   if (env.device >= 0) out.push_back("MNIST_DDP_DEVICE=" + std::to_string(env.device));
   if (env.error_report_fd >= 0) out.push_back("MNIST_DDP_ERROR_FD=" + std::to_string(env.error_report_fd));
+  if (env.timeout_ms > 0) out.push_back("MNIST_DDP_TIMEOUT_MS=" + std::to_string(env.timeout_ms));
   if (launch_time > 0) {
     std::ostringstream time;
     time.precision(17);

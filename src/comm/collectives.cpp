@@ -1,14 +1,9 @@
-#include "mnist_ddp/comm/collectives.hpp"
+#include "comm/collectives.hpp"
 
 #include <deque>
-
-#ifdef MNIST_DDP_WITH_CUDA
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
-
 #include <sstream>
 
-#include "mnist_ddp/comm/runtime.hpp"
+#include "comm/runtime.hpp"
 #include "comm/shared_memory.hpp"
 
 namespace mnist_ddp {
@@ -19,8 +14,8 @@ FuturePtr completed_future(const torch::Tensor& tensor) {
   return future;
 }
 
-Channel::Channel(GroupPtr group, torch::Device device, bool nccl, std::unique_ptr<SharedMemoryReducer> shared)
-    : group_(std::move(group)), device_(device), nccl_(nccl), shared_(std::move(shared)) {}
+Channel::Channel(GroupPtr group, torch::Device device, const Backend& backend, std::unique_ptr<SharedMemoryReducer> shared)
+    : group_(std::move(group)), device_(device), backend_(backend), shared_(std::move(shared)) {}
 
 Channel::~Channel() = default;
 
@@ -42,7 +37,7 @@ FuturePtr Channel::allreduce_sum(torch::Tensor tensor) {
   }
   const bool half = tensor.scalar_type() == torch::kHalf, bfloat = tensor.scalar_type() == torch::kBFloat16;
   constexpr int64_t kRingFrom = 1 << 16;  // float16 elements
-  if (!nccl_ && world_size() > 1 && ((half && tensor.numel() >= kRingFrom) || bfloat)) {
+  if (backend_.slow_16bit_sums && world_size() > 1 && ((half && tensor.numel() >= kRingFrom) || bfloat)) {
     if (tensor.is_cpu()) {
       ring_allreduce_sum(tensor);
     } else {  // ranks sharing a GPU over Gloo
@@ -104,6 +99,15 @@ std::vector<torch::Tensor> Channel::gather_to_rank0(const torch::Tensor& tensor)
   return out;
 }
 
+torch::Tensor Channel::allgather(const torch::Tensor& tensor) {
+  std::vector<at::Tensor> input{tensor.contiguous()};
+  issue("allgather", input[0]);
+  std::vector<std::vector<at::Tensor>> output(1);
+  for (int r = 0; r < world_size(); ++r) output[0].push_back(torch::empty_like(input[0]));
+  group_->allgather(output, input)->wait();
+  return torch::stack(output[0]);
+}
+
 void Channel::exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from, int64_t piece, int depth) {
   TORCH_CHECK(piece > 0 && depth > 0 && in.numel() == out.numel(), "exchange: bad pieces or sizes");
   issue("exchange", out);
@@ -131,13 +135,14 @@ void Channel::barrier() {
   group_->barrier()->wait();
 }
 
-CollectiveStream::CollectiveStream(GroupPtr group, torch::Device device, bool nccl, std::unique_ptr<SharedMemoryReducer> shared)
+CollectiveStream::CollectiveStream(GroupPtr group, torch::Device device, const Backend& backend,
+                                   std::unique_ptr<SharedMemoryReducer> shared)
     : rank_(group->getRank()),
       world_size_(group->getSize()),
       device_(device),
-      nccl_(nccl),
+      backend_(backend),
       group_(group),
-      channel_(std::move(group), device, nccl, std::move(shared)) {
+      channel_(std::move(group), device, backend, std::move(shared)) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -148,7 +153,7 @@ CollectiveStream::~CollectiveStream() {
   }
   cv_.notify_all();
   thread_.join();
-  if (nccl_ && !error_) port::shut_down_nccl(*group_);
+  if (!error_) backend_.shut_down(*group_);
 }
 
 CollectiveStream::Ticket CollectiveStream::post(Task task) {
@@ -214,6 +219,12 @@ void CollectiveStream::broadcast(torch::Tensor& tensor, int root) {
 std::vector<torch::Tensor> CollectiveStream::gather_to_rank0(const torch::Tensor& tensor) {
   std::vector<torch::Tensor> out;
   run([&](Channel& c) { out = c.gather_to_rank0(tensor); });
+  return out;
+}
+
+torch::Tensor CollectiveStream::allgather(const torch::Tensor& tensor) {
+  torch::Tensor out;
+  run([&](Channel& c) { out = c.allgather(tensor); });
   return out;
 }
 

@@ -1,11 +1,8 @@
 #include "mnist_ddp/comm/process_group.hpp"
 
+#include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#ifdef MNIST_DDP_WITH_CUDA
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
 
 #include <condition_variable>
 #include <mutex>
@@ -13,33 +10,18 @@
 #include <thread>
 
 #include "mnist_ddp/base/errors.hpp"
-#include "mnist_ddp/comm/runtime.hpp"
+#include "comm/group.hpp"
 #include "comm/rendezvous.hpp"
+#include "comm/runtime.hpp"
 #include "comm/shared_memory.hpp"
 
 namespace mnist_ddp {
 namespace {
 
-GroupPtr create_group(const StorePtr& store, const std::string& backend, int rank, int world_size,
-                      const std::string& gloo_address, std::chrono::milliseconds timeout) {
-  if (backend == "nccl") {
-#ifdef MNIST_DDP_WITH_CUDA
-    auto options = c10d::ProcessGroupNCCL::Options::create();
-    options->timeout = timeout;
-    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world_size, options);
-#else
-    throw UsageError("backend nccl: this build of mnist_ddp has no CUDA (its LibTorch is CPU-only); use gloo");
-#endif
-  }
-  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(gloo_address));
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, options);
-}
-
 // The rank's group, with the store prefix `name`, behind an ordered stream;
 // with `shared_memory` (every rank on this host), CPU sums go through a
 // SharedMemoryReducer.
-std::shared_ptr<CollectiveStream> make_stream(const StorePtr& store, const std::string& name, const std::string& backend,
+std::shared_ptr<CollectiveStream> make_stream(const StorePtr& store, const std::string& name, const Backend& backend,
                                               int rank, int world_size, const torch::Device& device,
                                               const std::string& gloo_address, std::chrono::milliseconds timeout,
                                               bool shared_memory) {
@@ -54,7 +36,7 @@ std::shared_ptr<CollectiveStream> make_stream(const StorePtr& store, const std::
                                     " s: the store stopped answering",
                                 [=] {
                                   use_device(device);  // the helper thread's, as the caller's
-                                  return create_group(prefixed, backend, rank, world_size, gloo_address, timeout);
+                                  return backend.create(prefixed, rank, world_size, timeout, gloo_address);
                                 });
   } catch (const StoreStalled&) {
     throw;
@@ -64,14 +46,14 @@ std::shared_ptr<CollectiveStream> make_stream(const StorePtr& store, const std::
     } catch (const std::exception&) {
       throw store_lost(e);
     }
-    throw std::runtime_error("could not form the process group with all " + std::to_string(world_size) +
-                             " ranks within " + std::to_string(timeout.count() / 1000) + " s (" + error_line(e) + ")");
+    throw Timeout("could not form the process group with all " + std::to_string(world_size) + " ranks within " +
+                  std::to_string(timeout.count() / 1000) + " s (" + error_line(e) + ")");
   }
   std::unique_ptr<SharedMemoryReducer> shared;
   if (shared_memory && world_size > 1)
     shared = std::make_unique<SharedMemoryReducer>(*prefixed, rank, world_size, timeout,
                                                    [&] { group->barrier()->wait(); });
-  return std::make_shared<CollectiveStream>(group, device, backend == "nccl", std::move(shared));
+  return std::make_shared<CollectiveStream>(group, device, backend, std::move(shared));
 }
 
 }  // namespace
@@ -121,25 +103,6 @@ class Heartbeat {
   std::shared_ptr<State> state_;
 };
 
-struct ProcessGroup::State {
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;
-  int local_world_size = 1;
-  std::string backend = "gloo";
-  torch::Device device = torch::kCPU;
-  std::chrono::milliseconds timeout{300'000};
-  int restart = 0;
-  std::string launcher;
-  std::string gloo_address = "127.0.0.1";
-  bool shared_memory = false;
-  StorePtr store;
-  std::shared_ptr<CollectiveStream> stream, quick;
-  std::shared_ptr<Heartbeat> heartbeat;
-  mutable int streams_made = 0;  // by new_stream(), for their store prefixes
-  mutable int models = 0;        // model_stream()s handed out
-  std::vector<int> node_of_rank;  // where our launcher's nodes placed each rank; empty: uniform
-};
 
 int ProcessGroup::rank() const { return state_->rank; }
 int ProcessGroup::world_size() const { return state_->world_size; }
@@ -150,34 +113,40 @@ const std::string& ProcessGroup::backend() const { return state_->backend; }
 std::chrono::milliseconds ProcessGroup::timeout() const { return state_->timeout; }
 int ProcessGroup::restart() const { return state_->restart; }
 const std::string& ProcessGroup::launcher() const { return state_->launcher; }
-const std::shared_ptr<CollectiveStream>& ProcessGroup::stream() const { return state_->stream; }
-const std::shared_ptr<CollectiveStream>& ProcessGroup::quick() const { return state_->quick; }
-const StorePtr& ProcessGroup::store() const { return state_->store; }
-
-void ProcessGroup::allreduce_sum(torch::Tensor& tensor) const { state_->stream->allreduce_sum(tensor); }
-void ProcessGroup::broadcast(torch::Tensor& tensor, int root) const { state_->stream->broadcast(tensor, root); }
+void ProcessGroup::allreduce_sum(at::Tensor& tensor) const { state_->stream->allreduce_sum(tensor); }
+void ProcessGroup::broadcast(at::Tensor& tensor, int root) const { state_->stream->broadcast(tensor, root); }
+at::Tensor ProcessGroup::allgather(const at::Tensor& tensor) const { return state_->stream->allgather(tensor); }
 void ProcessGroup::barrier() const { state_->stream->barrier(); }
 
-std::shared_ptr<CollectiveStream> ProcessGroup::new_stream() const {
-  const State& s = *state_;
+const std::shared_ptr<CollectiveStream>& bulk_stream(const ProcessGroup& group) {
+  return GroupAccess::state(group).stream;
+}
+const std::shared_ptr<CollectiveStream>& quick_stream(const ProcessGroup& group) {
+  return GroupAccess::state(group).quick;
+}
+const StorePtr& store_of(const ProcessGroup& group) { return GroupAccess::state(group).store; }
+
+std::shared_ptr<CollectiveStream> new_stream(const ProcessGroup& group) {
+  GroupState& s = GroupAccess::state(group);
   if (s.world_size == 1) return s.stream;
   const std::string name = "stream/" + std::to_string(++s.streams_made);
-  return make_stream(s.store, name, s.backend, s.rank, s.world_size, s.device, s.gloo_address, s.timeout,
-                     s.shared_memory);
+  return make_stream(s.store, name, backend_named(s.backend), s.rank, s.world_size, s.device, s.gloo_address,
+                     s.timeout, s.shared_memory);
 }
 
-std::shared_ptr<CollectiveStream> ProcessGroup::model_stream() const {
-  return state_->models++ == 0 ? state_->stream : new_stream();
+std::shared_ptr<CollectiveStream> model_stream(const ProcessGroup& group) {
+  return GroupAccess::state(group).models++ == 0 ? GroupAccess::state(group).stream : new_stream(group);
 }
 
-int ProcessGroup::node_of(int rank) const {
-  const auto& nodes = state_->node_of_rank;
+int node_of(const ProcessGroup& group, int rank) {
+  const GroupState& s = GroupAccess::state(group);
+  const auto& nodes = s.node_of_rank;
   if (rank >= 0 && rank < static_cast<int>(nodes.size())) return nodes[static_cast<size_t>(rank)];
-  return rank / std::max(1, state_->local_world_size);
+  return rank / std::max(1, s.local_world_size);
 }
 
-std::optional<std::vector<int>> ProcessGroup::silent_ranks() const {
-  const State& s = *state_;
+std::optional<std::vector<int>> silent_ranks(const ProcessGroup& group) {
+  const GroupState& s = GroupAccess::state(group);
   const StoreClient client(s.store, std::min<std::chrono::milliseconds>(s.timeout, std::chrono::seconds(5)),
                            "the store");
   auto read = [&] {
@@ -206,43 +175,60 @@ std::optional<std::vector<int>> ProcessGroup::silent_ranks() const {
 namespace {
 
 std::mutex g_default_mutex;
-std::weak_ptr<ProcessGroup::State> g_default;
+std::weak_ptr<GroupState> g_default;
+bool g_joined = false;  // init_process_group(options) formed a group in this process
 
-ProcessGroup made_default(ProcessGroup group, const std::shared_ptr<ProcessGroup::State>& state) {
+ProcessGroup made_default(ProcessGroup group, const std::shared_ptr<GroupState>& state) {
   std::lock_guard<std::mutex> lock(g_default_mutex);
   if (g_default.expired()) g_default = state;
   return group;
 }
 
-std::shared_ptr<ProcessGroup::State> form(StorePtr store, int rank, int world_size, const std::string& backend,
+// A second init_process_group(): the group of the first, where the options
+// ask for nothing else; nullopt for the first. A process joins its job
+// once: its launcher's rendezvous has moved on.
+std::optional<ProcessGroup> joined_before(const ProcessGroupOptions& options) {
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  if (!g_joined) return std::nullopt;
+  const auto state = g_default.lock();
+  if (!state)
+    throw UsageError("init_process_group: called again after every handle to the first group was gone; a process "
+                     "joins its job once: keep the first group and pass it on");
+  std::string other;
+  if (options.backend() != "auto" && options.backend() != state->backend)
+    other = "backend " + options.backend() + " (the group's is " + state->backend + ")";
+  else if (options.device() && *options.device() != state->device)
+    other = "device " + options.device()->str() + " (the group's is " + state->device.str() + ")";
+  else if (options.timeout() && *options.timeout() != state->timeout)
+    other = "another timeout";
+  else if (!options.settings().empty())
+    other = "settings to compare";
+  if (!other.empty())
+    throw UsageError("init_process_group: called a second time, asking for " + other +
+                     "; a process joins its job once: call it once and pass the group on");
+  return GroupAccess::make(state);
+}
+
+std::shared_ptr<GroupState> form(StorePtr store, int rank, int world_size, const Backend& backend,
                                           torch::Device device, std::chrono::milliseconds timeout,
                                           bool shared_memory, const std::string& gloo_address) {
-  TORCH_CHECK(backend == "gloo" || backend == "nccl", "backend ", backend, ": expected gloo or nccl");
-  auto s = std::make_shared<ProcessGroup::State>();
+  auto s = std::make_shared<GroupState>();
   s->rank = rank;
   s->world_size = world_size;
-  s->backend = backend;
+  s->backend = backend.name;
   s->device = device;
   s->timeout = timeout;
   s->gloo_address = gloo_address;
   s->store = std::move(store);
-  s->shared_memory = shared_memory && backend == "gloo" && device.is_cpu();
+  s->shared_memory = shared_memory && !backend.on_device && device.is_cpu();
   s->heartbeat = std::make_shared<Heartbeat>(s->store, rank, timeout);
   s->stream = make_stream(s->store, "main", backend, rank, world_size, device, gloo_address, timeout,
                           s->shared_memory);
-  s->quick = backend == "nccl" || world_size == 1
+  s->quick = !backend.lanes || world_size == 1
                  ? s->stream
                  : make_stream(s->store, "quick", backend, rank, world_size, device, gloo_address, timeout,
                                s->shared_memory);
   return s;
-}
-
-bool built_with_nccl() {
-#ifdef MNIST_DDP_WITH_CUDA
-  return true;
-#else
-  return false;
-#endif
 }
 
 // The device a rank takes when it is not told: its launcher's plan, else
@@ -250,7 +236,7 @@ bool built_with_nccl() {
 torch::Device device_for(const WorkerEnv& env, const ProcessGroupOptions& options) {
   if (options.device()) return *options.device();
   if (env.ours() && !env.backend.empty()) return cuda_device_or_cpu(env.device);
-  const int gpus = built_with_nccl() ? static_cast<int>(torch::cuda::device_count()) : 0;
+  const int gpus = static_cast<int>(torch::cuda::device_count());
   if (gpus == 0) return torch::kCPU;
   if (gpus == 1) return cuda_device_or_cpu(0);
   if (env.local_rank < gpus) return cuda_device_or_cpu(env.local_rank);
@@ -259,16 +245,21 @@ torch::Device device_for(const WorkerEnv& env, const ProcessGroupOptions& option
                    " processes a machine, or choose each one's device (ProcessGroupOptions().device(...))");
 }
 
-std::string backend_for(const WorkerEnv& env, const ProcessGroupOptions& options, const torch::Device& device) {
-  std::string backend = options.backend();
-  if (backend == "auto") backend = env.ours() && !env.backend.empty() ? env.backend : device.is_cuda() ? "nccl" : "gloo";
-  if (backend != "gloo" && backend != "nccl")
-    throw UsageError("backend '" + backend + "': expected auto, gloo or nccl");
-  if (backend == "nccl" && !device.is_cuda())
-    throw UsageError("backend nccl needs a CUDA device; this rank's is " + device.str() + ": use gloo");
-  if (backend == "nccl" && !built_with_nccl())
-    throw UsageError("backend nccl: this build of mnist_ddp has no CUDA (its LibTorch is CPU-only); use gloo");
+const Backend& backend_for(const WorkerEnv& env, const ProcessGroupOptions& options, const torch::Device& device) {
+  std::string name = options.backend();
+  if (name == "auto" && env.ours() && !env.backend.empty()) name = env.backend;
+  const Backend& backend = name == "auto" ? default_backend_for(device) : backend_named(name);
+  if (!backend.takes(device))
+    throw UsageError("backend " + backend.name + " does not take this rank's device, " + device.str() +
+                     (device.is_cpu() ? ": use gloo" : ""));
   return backend;
+}
+
+// The timeout the options name, else the one our launcher was given, else 5 minutes.
+std::chrono::milliseconds timeout_for(const WorkerEnv& env, const ProcessGroupOptions& options) {
+  if (options.timeout()) return *options.timeout();
+  if (env.timeout_ms > 0) return std::chrono::milliseconds(env.timeout_ms);
+  return std::chrono::minutes(5);
 }
 
 // A process that no launcher we know started as a worker: one that a
@@ -300,9 +291,10 @@ std::optional<WorkerEnv> pod_worker(const Environment& environment) {
 }  // namespace
 
 ProcessGroup make_process_group(StorePtr store, int rank, int world_size, const std::string& backend,
-                                torch::Device device, std::chrono::milliseconds timeout, bool shared_memory,
+                                c10::Device device, std::chrono::milliseconds timeout, bool shared_memory,
                                 const std::string& gloo_address) {
-  return ProcessGroup(form(std::move(store), rank, world_size, backend, device, timeout, shared_memory, gloo_address));
+  return GroupAccess::make(
+      form(std::move(store), rank, world_size, backend_named(backend), device, timeout, shared_memory, gloo_address));
 }
 
 ProcessGroup init_process_group(const WorkerEnv& launched, const ProcessGroupOptions& options) {
@@ -310,8 +302,8 @@ ProcessGroup init_process_group(const WorkerEnv& launched, const ProcessGroupOpt
   resolve_store_address(env, options.master_addr(), !options.master_addr().empty(), options.master_port(),
                         options.master_port() > 0);
   const torch::Device device = device_for(env, options);
-  const std::string backend = backend_for(env, options, device);
-  const auto timeout = options.timeout();
+  const Backend& backend = backend_for(env, options, device);
+  const auto timeout = timeout_for(env, options);
   use_device(device);
   const auto [store, restart] = open_job_store(env, timeout);
   const StoreClient client(store, timeout,
@@ -327,11 +319,12 @@ ProcessGroup init_process_group(const WorkerEnv& launched, const ProcessGroupOpt
   state->local_world_size = env.local_world_size;
   state->launcher = env.launcher;
   state->node_of_rank = plan.node_of_rank;
-  ProcessGroup group(state);
-  return made_default(group, state);
+  return made_default(GroupAccess::make(state), state);
 }
 
-ProcessGroup init_process_group(const ProcessGroupOptions& options) {
+namespace {
+
+ProcessGroup join_or_stay_alone(const ProcessGroupOptions& options) {
   const Environment environment = read_environment();
   std::optional<WorkerEnv> worker = launched_worker(environment);
   if (!worker) worker = pod_worker(environment);
@@ -342,14 +335,23 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   alone.world_size = 1;
   const torch::Device device = device_for(alone, options);
   auto state = form(c10::make_intrusive<c10d::HashStore>(), 0, 1, backend_for(alone, options, device), device,
-                    options.timeout(), false, "127.0.0.1");
-  ProcessGroup group(state);
-  return made_default(group, state);
+                    timeout_for(alone, options), false, "127.0.0.1");
+  return made_default(GroupAccess::make(state), state);
+}
+
+}  // namespace
+
+ProcessGroup init_process_group(const ProcessGroupOptions& options) {
+  if (const auto joined = joined_before(options)) return *joined;
+  ProcessGroup group = join_or_stay_alone(options);
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  g_joined = true;
+  return group;
 }
 
 std::optional<ProcessGroup> default_process_group() {
   std::lock_guard<std::mutex> lock(g_default_mutex);
-  if (auto state = g_default.lock()) return ProcessGroup(state);
+  if (auto state = g_default.lock()) return GroupAccess::make(state);
   return std::nullopt;
 }
 

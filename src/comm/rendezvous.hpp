@@ -8,10 +8,10 @@
 #include <utility>
 #include <vector>
 
-#include "mnist_ddp/base/environment.hpp"
+#include "base/environment.hpp"
 #include "mnist_ddp/base/errors.hpp"
 #include "mnist_ddp/comm/process_group.hpp"
-#include "mnist_ddp/comm/store.hpp"
+#include "comm/store.hpp"
 
 namespace mnist_ddp {
 

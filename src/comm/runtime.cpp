@@ -1,4 +1,4 @@
-#include "mnist_ddp/comm/runtime.hpp"
+#include "comm/runtime.hpp"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/version.h>
@@ -8,7 +8,7 @@
 #include <torch/csrc/distributed/c10d/NCCLUtils.hpp>
 #endif
 
-#include "mnist_ddp/comm/store.hpp"
+#include "comm/store.hpp"
 
 namespace mnist_ddp {
 

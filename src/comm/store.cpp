@@ -1,4 +1,4 @@
-#include "mnist_ddp/comm/store.hpp"
+#include "comm/store.hpp"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -15,7 +15,7 @@
 #include <random>
 
 #include "mnist_ddp/base/errors.hpp"
-#include "mnist_ddp/base/port.hpp"
+#include "base/port.hpp"
 
 namespace mnist_ddp {
 namespace {

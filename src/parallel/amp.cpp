@@ -1,10 +1,13 @@
 #include "mnist_ddp/parallel/amp.hpp"
 
+#include <torch/torch.h>
+
 #include <map>
 #include <mutex>
 #include <utility>
 
-#include "mnist_ddp/base/port.hpp"
+#include "base/port.hpp"
+#include "comm/group.hpp"
 
 namespace mnist_ddp {
 
@@ -66,7 +69,7 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
       found = found.defined() ? found.add_(bad) : bad.clone();
     }
   auto any = (found.defined() ? found.reshape({1}) : torch::zeros({1}, torch::kFloat64)).to(group_.device());
-  group_.quick()->allreduce_sum(any);
+  quick_stream(group_)->allreduce_sum(any);
   found_inf_ = any.cpu().item<double>() > 0;
   if (found_inf_) {
     ++skipped_;

@@ -1,6 +1,8 @@
 // convert_sync_batchnorm(): every BatchNorm of a module tree made a
 // SyncBatchNorm where the forward will find it, or refused saying why.
 #include <map>
+
+#include <torch/torch.h>
 #include <set>
 #include <string>
 #include <vector>

@@ -1,8 +1,14 @@
 #include "mnist_ddp/parallel/sync_batch_norm.hpp"
 
+#include <torch/torch.h>
+#include "parallel/batch_norm_relu.hpp"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+
+#include "mnist_ddp/base/errors.hpp"
+#include "comm/group.hpp"
 
 namespace mnist_ddp {
 namespace {
@@ -332,17 +338,30 @@ void SyncBatchNormImpl::register_state() {
   }
 }
 
-std::shared_ptr<CollectiveStream> SyncBatchNormImpl::active_stream() const {
-  std::shared_ptr<CollectiveStream> s = stream;
-  if (!s)
-    if (const auto group = default_process_group()) s = group->quick();
-  return s && s->world_size() > 1 ? s : nullptr;
+namespace {
+
+// The stream a forward of `bn` syncs over; nullptr: none (one process).
+std::shared_ptr<CollectiveStream> active_stream(const SyncBatchNormImpl& bn) {
+  std::optional<ProcessGroup> group = bn.process_group();
+  if (!group) group = default_process_group();
+  if (!group || group->world_size() == 1) return nullptr;
+  return quick_stream(*group);
 }
 
+void check_channels(const SyncBatchNormImpl& bn, const torch::Tensor& input) {
+  const int64_t c = bn.options.num_features();
+  if (input.dim() < 2 || input.dim() > 5 || input.size(1) != c)
+    throw UsageError("SyncBatchNorm: expected " + std::to_string(c) +
+                     " channels in dimension 1 of a 2- to 5-dimensional input, got input of shape " +
+                     c10::str(input.sizes()));
+}
+
+}  // namespace
+
 torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
-  check_channels(input);
+  check_channels(*this, input);
   if (is_training())
-    if (auto s = active_stream()) return train_synced(*this, std::move(s), input, local_stats(input), false);
+    if (auto s = active_stream(*this)) return train_synced(*this, std::move(s), input, local_stats(input), false);
   // One process, or eval: BatchNorm's own computation. Without running
   // statistics, eval normalises with the batch's own, as BatchNorm does.
   const double factor = is_training() ? count_batch(*this) : 0.0;
@@ -351,21 +370,15 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
                            /*cudnn_enabled=*/true);
 }
 
-torch::Tensor SyncBatchNormImpl::forward_relu(const torch::Tensor& input) {
-  check_channels(input);
-  if (is_training() && options.affine() && fused_kernels_apply(input))
-    if (auto s = active_stream()) return train_synced(*this, std::move(s), input, fused_local_stats(input), true);
-  return torch::relu(forward(input));
-}
-
-void SyncBatchNormImpl::check_channels(const torch::Tensor& input) const {
-  TORCH_CHECK(input.dim() >= 2 && input.dim() <= 5 && input.size(1) == options.num_features(), "SyncBatchNorm: expected ",
-              options.num_features(), " channels in dimension 1 of a 2- to 5-dimensional input, got input of shape ",
-              input.sizes());
+torch::Tensor sync_batch_norm_relu(SyncBatchNormImpl& bn, const torch::Tensor& input) {
+  check_channels(bn, input);
+  if (bn.is_training() && bn.options.affine() && fused_kernels_apply(input))
+    if (auto s = active_stream(bn)) return train_synced(bn, std::move(s), input, fused_local_stats(input), true);
+  return torch::relu(bn.forward(input));
 }
 
 torch::Tensor batch_norm_relu(torch::nn::Module& layer, const torch::Tensor& input) {
-  if (auto* sync = dynamic_cast<SyncBatchNormImpl*>(&layer)) return sync->forward_relu(input);
+  if (auto* sync = dynamic_cast<SyncBatchNormImpl*>(&layer)) return sync_batch_norm_relu(*sync, input);
   if (auto* bn = dynamic_cast<torch::nn::BatchNorm1dImpl*>(&layer)) return torch::relu(bn->forward(input));
   if (auto* bn = dynamic_cast<torch::nn::BatchNorm2dImpl*>(&layer)) return torch::relu(bn->forward(input));
   if (auto* bn = dynamic_cast<torch::nn::BatchNorm3dImpl*>(&layer)) return torch::relu(bn->forward(input));

@@ -14,8 +14,11 @@
 // autocast lowers matmuls and convolutions only, as PyTorch's does.
 #pragma once
 
-#include <torch/torch.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 #include <torch/arg.h>
+#include <torch/optim/optimizer.h>
 
 #include <string>
 
@@ -24,10 +27,10 @@
 namespace mnist_ddp {
 
 // Autocast to `dtype` on `device`'s type while it lives; the state before
-// comes back at its end. Nests.
+// comes back at its end. Nests. Autocast's state is the calling thread's.
 class Autocast {
  public:
-  Autocast(const torch::Device& device, c10::ScalarType dtype);
+  Autocast(const c10::Device& device, c10::ScalarType dtype);
   ~Autocast();
   Autocast(const Autocast&) = delete;
   Autocast& operator=(const Autocast&) = delete;
@@ -41,7 +44,7 @@ class Autocast {
 // "" when this LibTorch runs autocast to `dtype` on `device` (probed once:
 // a small matmul under it comes out in `dtype`); else why not, in a few
 // words ("this LibTorch's CPU autocast has no float16").
-std::string autocast_unsupported(const torch::Device& device, c10::ScalarType dtype);
+std::string autocast_unsupported(const c10::Device& device, c10::ScalarType dtype);
 
 // PyTorch's GradScaler knobs and defaults.
 struct GradScalerOptions {
@@ -55,13 +58,15 @@ struct GradScalerOptions {
 // are unscaled, and whether any rank saw an inf or NaN is agreed in one
 // small allreduce (on the group's quick stream), so every rank skips the
 // same steps even where a hook could hide one (a low-rank approximation),
-// and replicas stay bit-identical.
+// and replicas stay bit-identical. Every rank makes its scaler with the same
+// options (compared across ranks at the first step()).
+// Thread safety: used from the training thread only.
 class GradScaler {
  public:
   explicit GradScaler(ProcessGroup group, GradScalerOptions options = {});
 
   // loss * scale.
-  torch::Tensor scale(const torch::Tensor& loss) const;
+  at::Tensor scale(const at::Tensor& loss) const;
   // Collective. Divides the gradients of `optimizer`'s parameters by the
   // scale, agrees with every rank whether any of them is not finite, and
   // steps the optimizer unless one is. Returns whether it stepped.
@@ -74,8 +79,8 @@ class GradScaler {
   int64_t growth_tracker() const { return growth_tracker_; }
   int64_t skipped_steps() const { return skipped_; }
   // [scale, growth tracker] for a checkpoint, and back.
-  torch::Tensor state() const;
-  void load_state(const torch::Tensor& state);
+  at::Tensor state() const;
+  void load_state(const at::Tensor& state);
 
  private:
   ProcessGroup group_;

@@ -5,13 +5,25 @@
 // rank's gradients (NOT yet divided by the world size) and returns a future
 // of a tensor shaped like the bucket that holds the average. DDP runs hooks
 // as tasks of an ordered collective stream, one bucket at a time and in
-// bucket order on every rank, so a hook may wait on its own collectives
-// (distributed.hpp, collectives.hpp).
+// bucket order on every rank, so a hook may wait on its own collectives.
 //
-// Hooks talk to the other ranks only through a Wire. The float16 and
-// bfloat16 wrappers hand the hook they wrap a wire that sends 16-bit
-// floats, so they compose with any hook while the hook itself computes in
-// its bucket's precision.
+// Hooks talk to the other ranks only through their Wire: allreduce,
+// allgather and broadcast. The float16 and bfloat16 wrappers hand the hook
+// they wrap a wire that sends 16-bit floats, so they compose with any hook
+// while the hook itself computes in its bucket's precision.
+//
+// What a hook must not do (each would hang or break the order every rank
+// issues its collectives in):
+// - call a ProcessGroup's collectives (allreduce_sum, broadcast, barrier)
+//   or anything that issues one (a SyncBatchNorm forward, check_replicas):
+//   the hook runs on the thread that issues them, which would wait on itself;
+// - issue different collectives on different ranks: every rank runs the
+//   same hook on the same bucket and must call its Wire the same way
+//   (shapes and dtypes alike), as with any collective;
+// - keep the Wire or the bucket's tensors past the step (the Wire lives for
+//   one run(); the bucket's buffer is reused every backward).
+// A hook's run() is called on the communication thread only, one bucket at
+// a time, so its own state needs no lock.
 //
 // The built-in hooks, named as PyTorch names them:
 //   hooks::allreduce()                 PyTorch's allreduce_hook
@@ -21,88 +33,77 @@
 //   hooks::bf16_compress_wrapper(h)    bf16_compress_wrapper
 //   hooks::powersgd(options)           powerSGD_hook with a PowerSGDState
 //   hooks::batched_powersgd(options)   batched_powerSGD_hook
-// A program's own hook is a subclass of CommHook, registered the same way.
+// A program's own hook is a subclass of CommHook, registered the same way
+// (examples/topk.hpp: top-k sparsification over allgather).
 #pragma once
 
-#include <torch/torch.h>
-#include <torch/arg.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <torch/arg.h>
+#include <torch/serialize/archive.h>
 
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "mnist_ddp/comm/collectives.hpp"
+#include "mnist_ddp/comm/process_group.hpp"
 
 namespace mnist_ddp::hooks {
 
+// One bucket of one backward, as a hook sees it.
 struct GradBucket {
-  size_t index = 0;      // position in launch order
+  size_t index = 0;      // position in launch order, the same on every rank
   bool is_last = false;  // the last bucket of a step: per-step state advances here
-  torch::Tensor buffer;  // flat, this rank's gradients, not divided by world size
+  at::Tensor buffer;     // flat, this rank's gradients, not divided by world size
   // Views into buffer, shaped as the parameters, lying in order without gaps.
-  std::vector<torch::Tensor> gradients;
+  std::vector<at::Tensor> gradients;
+  // The parameters those gradients belong to, in the same order, and their
+  // names in the model ("fc1.weight"), as c10d's GradBucket gives them.
+  std::vector<at::Tensor> parameters;
+  std::vector<std::string> parameter_names;
 };
 
 // The gradients' shapes laid over `flat`, a tensor of the bucket's size.
-std::vector<torch::Tensor> same_layout(const GradBucket& bucket, const torch::Tensor& flat);
+std::vector<at::Tensor> same_layout(const GradBucket& bucket, const at::Tensor& flat);
 
 // The tensor a hook's future completed with (a Tensor, or a list of one).
-torch::Tensor future_tensor(const FuturePtr& future);
+at::Tensor future_tensor(const FuturePtr& future);
 
-// The collective a hook uses. Both calls work in place on `tensor` and
-// complete their future with it.
+// The collectives a hook uses, over the ranks of its DDP's process group.
+// Every rank must make the same calls in the same order, with tensors of
+// the same shape and dtype. The calls may block (a hook may wait on them).
 class Wire {
  public:
   virtual ~Wire() = default;
+  virtual int rank() const = 0;
   virtual int world_size() const = 0;
-  virtual FuturePtr allreduce_sum(torch::Tensor tensor) = 0;
+  // Sums `tensor` over the ranks, in place; the future completes with it.
+  virtual FuturePtr allreduce_sum(at::Tensor tensor) = 0;
   // Sum of tensor / world_size: dividing first keeps 16-bit sums finite.
-  virtual FuturePtr allreduce_mean(torch::Tensor tensor);
+  virtual FuturePtr allreduce_mean(at::Tensor tensor);
+  // Every rank's `tensor`, stacked in rank order: [world_size, tensor's
+  // shape...]; the future completes with that tensor.
+  virtual FuturePtr allgather(const at::Tensor& tensor) = 0;
+  // Rank `root`'s `tensor` on every rank, in place; the future completes with it.
+  virtual FuturePtr broadcast(at::Tensor tensor, int root) = 0;
 };
 
-// What a rank has sent: `elements x element size` of each allreduce.
+// What a rank has sent through its hooks' wires: elements, and their
+// bytes (elements x element size), of each collective.
 struct WireStats {
   int64_t elements = 0;
   int64_t bytes = 0;
-};
-
-// The wire of a collective stream's channel, for use inside a task.
-// Counts what it sends into `stats`.
-class GroupWire : public Wire {
- public:
-  GroupWire(Channel& channel, WireStats& stats) : channel_(channel), stats_(stats) {}
-  int world_size() const override { return channel_.world_size(); }
-  FuturePtr allreduce_sum(torch::Tensor tensor) override;
-
- private:
-  Channel& channel_;
-  WireStats& stats_;
-};
-
-// Puts `type` (float16 or bfloat16) on the wire below it: tensors are cast
-// down before and back after; a mean is divided by the world size in the
-// tensor's own precision before the cast.
-class CastWire : public Wire {
- public:
-  CastWire(Wire& below, c10::ScalarType type) : below_(below), type_(type) {}
-  int world_size() const override { return below_.world_size(); }
-  FuturePtr allreduce_sum(torch::Tensor tensor) override;
-  FuturePtr allreduce_mean(torch::Tensor tensor) override;
-
- private:
-  Wire& below_;
-  c10::ScalarType type_;
 };
 
 // A hook's state between steps, as named tensors: what a checkpoint keeps.
 // `shared` is identical on every rank; `own` is this rank's alone (PowerSGD's
 // error feedback), so every rank keeps its own.
 struct HookState {
-  std::map<std::string, torch::Tensor> shared;
-  std::map<std::string, torch::Tensor> own;
+  std::map<std::string, at::Tensor> shared;
+  std::map<std::string, at::Tensor> own;
   bool empty() const { return shared.empty() && own.empty(); }
 };
 
@@ -112,7 +113,8 @@ class CommHook {
   // "none", "fp16", "bf16", "powersgd", "powersgd_fp16", ...
   virtual std::string name() const = 0;
   // Called on the communication thread, once per bucket and backward, in
-  // bucket order. May block on its collectives.
+  // bucket order. May block on its collectives (see the top of this file
+  // for what it must not do).
   virtual FuturePtr run(GradBucket& bucket, Wire& wire) = 0;
   // Whether the coming step compresses as fully as this hook ever will
   // (false during PowerSGD's plain-allreduce warm-up).
@@ -181,9 +183,9 @@ struct PowerSgdOptions {
 struct PowerSgdState {
   int64_t iter = 0;    // steps finished
   uint64_t draws = 0;  // seeds of Q drawn so far
-  std::map<size_t, torch::Tensor> error;     // this rank's compression error (own)
-  std::map<size_t, torch::Tensor> p_memory;  // flat P of every compressed matrix (shared)
-  std::map<size_t, torch::Tensor> q_memory;  // flat Q, reused when warm-starting (shared)
+  std::map<size_t, at::Tensor> error;     // this rank's compression error (own)
+  std::map<size_t, at::Tensor> p_memory;  // flat P of every compressed matrix (shared)
+  std::map<size_t, at::Tensor> q_memory;  // flat Q, reused when warm-starting (shared)
 };
 
 // What both PowerSGD hooks share: their options and state, and plain

@@ -5,19 +5,20 @@
 //   auto out = ddp.forward(a, b);   // takes what the model's forward takes, returns what it returns
 //   loss(out).backward();           // returns with the gradients averaged over ranks
 //
-// At construction, rank 0's parameters and buffers are broadcast to all
-// ranks and the parameters that require gradients are grouped into buckets
-// (reverse registration order, one dtype each, fixed once:
-// compute_bucket_assignment). Each parameter's .grad becomes a view into its
-// bucket's flat buffer when it first receives a gradient, so gradients are
-// not copied again.
+// At construction, every rank's model is compared with every other's (the
+// names, shapes, dtypes and requires_grad of its parameters, its buffers,
+// the options: a difference is a UsageError naming it on every rank), rank
+// 0's parameters and buffers are broadcast to all ranks, and the parameters
+// that require gradients are grouped into buckets (reverse registration
+// order, one dtype each, fixed once). Each parameter's .grad becomes a view
+// into its bucket's flat buffer, so gradients are not copied again.
 //
-// During backward, a hook on each parameter's gradient accumulator marks it
-// ready; a bucket whose gradients are all ready is posted at once to the
-// model's ordered collective stream (collectives.hpp), whose thread runs the
-// communication hook on it, so its communication overlaps the rest of
-// backward. When backward ends, DDP waits for every bucket: the optimizer
-// then sees averaged gradients.
+// During backward, each parameter's gradient accumulator marks it ready; a
+// bucket whose gradients are all ready is posted at once to the model's
+// ordered collective stream, whose thread runs the communication hook on
+// it, so its communication overlaps the rest of backward. When backward
+// ends, DDP waits for every bucket: the optimizer then sees averaged
+// gradients.
 //
 // Semantics, as PyTorch's DDP (docs/library.md says where they differ):
 // - Several forwards and backwards before one optimizer step are legal:
@@ -28,39 +29,33 @@
 // - find_unused_parameters(true): a parameter that got no gradient in a
 //   backward (since the last averaging) counts as zero on this rank; one
 //   that no rank used keeps its .grad as it was. Without it, such a
-//   parameter ends backward with an error naming it (after the step's
+//   parameter ends backward with a UsageError naming it (after the step's
 //   buckets are sent, so no peer waits for this rank).
 // - broadcast_buffers(true): before a forward that follows a forward with
 //   gradients outside no_sync() (and before the first), rank 0's buffers are
 //   broadcast.
 // - Frozen parameters (requires_grad false) are in no bucket; a parameter
 //   shared by two modules is one parameter.
+// - A backward through the module's own forward (model->forward in place of
+//   ddp.forward) is named at its end: its gradients are not averaged.
 //
-// Note on order: buckets are posted strictly in index order, from
-// autograd's thread; a hook issues all of a bucket's collectives (PowerSGD
-// issues several) within its one task. So every rank issues the same
-// collectives in the same order (collectives.hpp). The first DDP of a
-// process group sends its buckets on the group's bulk stream, each later
-// one on a stream of its own, so that two models' buckets never need
-// matching against each other.
+// Thread safety: a DistributedDataParallel is used from one thread (the
+// training loop); autograd may run its backward on threads of its own,
+// which the class allows for. Two DDPs may be used from two threads.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
 #include <torch/arg.h>
 
-#include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "mnist_ddp/comm/process_group.hpp"
 #include "mnist_ddp/parallel/comm_hooks.hpp"
-
-namespace torch::autograd {
-struct Node;
-}
 
 namespace mnist_ddp {
 
@@ -74,124 +69,121 @@ struct DdpOptions {
   TORCH_ARG(bool, broadcast_buffers) = true;
 };
 
-// Groups tensors, given in bucket order with their sizes in bytes and a
-// kind each (their dtype: tensors of two kinds never share a bucket), into
-// buckets: a bucket of a kind closes once it holds at least its cap, which
-// is `first_cap_bytes` for the first bucket of each kind and `cap_bytes`
-// after. Buckets are ordered by their first tensor. Returns the tensor
-// indices of each bucket. `kinds` empty: all of one kind.
-std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<int64_t>& sizes_bytes,
-                                                           int64_t first_cap_bytes, int64_t cap_bytes,
-                                                           const std::vector<int>& kinds = {});
+namespace detail {
+class Reducer;  // the state behind every DistributedDataParallel (not installed)
+}
 
-// What DistributedDataParallel does that does not depend on the module's
-// type: buckets, the hook, averaging. Created by DistributedDataParallel;
-// its other calls are for programs that report (bytes on the wire, time
-// spent waiting) or check replicas.
-class Reducer : public std::enable_shared_from_this<Reducer> {
+// What DistributedDataParallel does whatever the module's type. Not made
+// directly: DistributedDataParallel<M> below is one.
+class DistributedDataParallelBase {
  public:
-  // Blocks until every rank has constructed its DDP (the broadcast). Every
-  // parameter and buffer must be on group.device(). Throws UsageError for a
-  // model it cannot take, naming the tensor.
-  static std::shared_ptr<Reducer> create(std::shared_ptr<torch::nn::Module> module, ProcessGroup group,
-                                         DdpOptions options);
-  // Finishes its communication first.
-  ~Reducer();
-  Reducer(const Reducer&) = delete;
-  Reducer& operator=(const Reducer&) = delete;
+  // While the guard lives, the backward after each forward accumulates
+  // gradients locally and sends nothing. Nests.
+  class NoSync {
+   public:
+    NoSync(NoSync&& other) noexcept : reducer_(std::move(other.reducer_)) {}
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+    ~NoSync();
 
-  // Called before each forward of the module (DistributedDataParallel::forward).
-  void prepare_forward();
-  // The hook that averages each bucket, replacing allreduce(). Call it
-  // once, before the first backward. Not thread-safe.
+   private:
+    friend class DistributedDataParallelBase;
+    explicit NoSync(std::shared_ptr<detail::Reducer> reducer);
+    std::shared_ptr<detail::Reducer> reducer_;
+  };
+  NoSync no_sync() const;
+
+  // The hook that averages each bucket, in place of hooks::allreduce().
+  // Once, before the first backward; every rank registers the same hook
+  // (the same kind and options: compared across ranks at the first
+  // backward, a difference a UsageError naming both).
   void register_comm_hook(hooks::CommHookPtr hook);
-  hooks::CommHook& comm_hook() const { return *hook_; }
-  // no_sync() nests; prepare_forward() reads the depth.
-  void enter_no_sync();
-  void leave_no_sync();
+  hooks::CommHook& comm_hook() const;
 
-  const ProcessGroup& process_group() const { return group_; }
-  const DdpOptions& options() const { return options_; }
+  const ProcessGroup& process_group() const;
+  const DdpOptions& options() const;
+
+  // Compares every rank's parameters and buffers with rank 0's, bit for bit.
+  // Collective: every rank calls it. Throws, on rank 0, an Error naming each
+  // differing rank, its largest difference and the tensor holding it
+  // ("module." names, as PyTorch's DDP's state_dict has them); on the other
+  // ranks a PeerLost. `when` says when, for the message ("after epoch 3").
+  void check_replicas(const std::string& when = "now");
+
   // What the hook has put on the wire so far.
-  const hooks::WireStats& wire() const { return wire_stats_; }
+  hooks::WireStats wire_stats() const;
   // Seconds backward has spent, at its end, waiting for buckets still being
   // communicated: the communication that did not overlap computation.
-  double communication_wait_seconds() const { return wait_seconds_; }
-  const std::vector<hooks::GradBucket>& buckets() const { return buckets_; }
-  // One line per bucket: index, parameters, elements, bytes.
+  double communication_wait_seconds() const;
+  // One line per bucket: index, parameters, elements, bytes, names.
   std::vector<std::string> describe_buckets() const;
-  // Compares every rank's parameters and buffers with rank 0's, bit for bit
-  // (`when` says when, for the message). Throws, on rank 0, a
-  // std::runtime_error naming each differing rank, its largest difference
-  // and the tensor holding it ("module." names, as PyTorch's DDP's
-  // state_dict has them); on the other ranks a PeerLost. Every rank must
-  // call it; it blocks until all have.
-  void check_replicas(const std::string& when);
+
+ protected:
+  // Blocks until every rank has constructed its DDP. Every parameter and
+  // buffer must be on group.device(). Throws UsageError for a model it
+  // cannot take or one that differs from another rank's, naming the tensor.
+  DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module, const ProcessGroup& group,
+                              const DdpOptions& options);
+  // Called before each forward of the module.
+  void prepare_forward();
 
  private:
-  Reducer(std::shared_ptr<torch::nn::Module> module, ProcessGroup group, DdpOptions options);
-  void init();
-  void link_grad(size_t param);
-  void mark_ready(size_t param);
-  void finalize_backward();
-  void post_ready_buckets();  // with mutex_ held
-  void communicate(size_t bucket, Channel& channel);  // a task on the stream
-
-  std::shared_ptr<torch::nn::Module> module_;
-  ProcessGroup group_;
-  DdpOptions options_;
-  std::shared_ptr<CollectiveStream> stream_;
-  hooks::CommHookPtr hook_;
-  bool hook_registered_ = false;
-  hooks::WireStats wire_stats_;  // written by the stream's tasks
-  std::vector<torch::Tensor> params_;      // registration order, without duplicates or frozen ones
-  std::vector<std::string> param_names_;   // "module.fc.weight"
-  std::vector<torch::Tensor> buffers_;
-  std::vector<size_t> bucket_of_;          // param -> bucket
-  std::vector<torch::Tensor> grad_views_;  // param -> view into its bucket
-  std::vector<hooks::GradBucket> buckets_;
-  std::vector<size_t> bucket_sizes_;       // bucket -> its parameters
-  // Keeps the accumulators (and so our hooks on them) alive: autograd holds
-  // them only weakly.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
-
-  // Between forwards, on the training thread.
-  int no_sync_depth_ = 0;
-  bool sync_buffers_next_ = true;  // PyTorch's require_forward_param_sync
-
-  // A backward's state, guarded by mutex_ (autograd may run hooks on
-  // threads of its own).
-  std::mutex mutex_;
-  bool sync_next_backward_ = false;  // the last forward asks for averaging
-  bool in_backward_ = false;
-  bool averaging_ = false;           // this backward averages
-  std::vector<int> pending_;         // bucket -> gradients not yet ready
-  std::vector<bool> ready_;          // param -> ready in this backward
-  size_t next_bucket_ = 0;           // buckets [0, next_bucket_) are posted
-  std::vector<CollectiveStream::Ticket> posted_;
-  // Since the last averaging (no_sync's micro-batches included).
-  std::vector<bool> used_;           // param -> received a gradient
-  std::vector<bool> was_undefined_;  // param -> its .grad was undefined before
-  double wait_seconds_ = 0;
+  friend struct DdpAccess;  // the library's own view (not installed)
+  std::shared_ptr<detail::Reducer> reducer_;
 };
 
+namespace detail {
+template <typename T>
+constexpr bool is_module_holder_v = std::is_base_of_v<torch::detail::ModuleHolderIndicator, T>;
+// The module class behind M: M itself, or the Impl of a TORCH_MODULE holder.
+template <typename M, bool = is_module_holder_v<M>>
+struct module_of {
+  using type = M;
+};
+template <typename M>
+struct module_of<M, true> {
+  using type = typename M::ContainedType;
+};
+template <typename>
+constexpr bool always_false_v = false;
+// A module itself, not a pointer or holder of one.
+template <typename T>
+constexpr bool is_module_by_value_v = std::is_base_of_v<torch::nn::Module, std::decay_t<T>>;
+}  // namespace detail
+
+// ModuleType: the module's class (NetImpl, or any torch::nn::Module) or its
+// TORCH_MODULE holder (Net): DistributedDataParallel<Net> and
+// DistributedDataParallel<NetImpl> both take either.
 template <typename ModuleType>
-class DistributedDataParallel {
+class DistributedDataParallel : public DistributedDataParallelBase {
  public:
+  using Module = typename detail::module_of<ModuleType>::type;
+  static_assert(std::is_base_of_v<torch::nn::Module, Module>,
+                "DistributedDataParallel<M>: M must be a torch::nn::Module or a TORCH_MODULE holder of one");
+
   // `module`'s parameters and buffers must be on group.device() already
   // (model->to(group.device())). Blocks until every rank has constructed
   // its DDP: every rank wraps the same model, in the same order.
-  DistributedDataParallel(std::shared_ptr<ModuleType> module, const ProcessGroup& group,
-                          const DdpOptions& options = {})
-      : module_(std::move(module)), reducer_(Reducer::create(module_, group, options)) {}
-  DistributedDataParallel(const torch::nn::ModuleHolder<ModuleType>& module, const ProcessGroup& group,
+  DistributedDataParallel(std::shared_ptr<Module> module, const ProcessGroup& group, const DdpOptions& options = {})
+      : DistributedDataParallelBase(module, group, options), module_(std::move(module)) {}
+  DistributedDataParallel(const torch::nn::ModuleHolder<Module>& module, const ProcessGroup& group,
                           const DdpOptions& options = {})
       : DistributedDataParallel(module.ptr(), group, options) {}
+  // A model held by value (`Net model;`) cannot be shared with DDP: refused
+  // at compile time.
+  template <typename T, typename = std::enable_if_t<detail::is_module_by_value_v<T>>>
+  DistributedDataParallel(T& model_by_value, const ProcessGroup& group, const DdpOptions& options = {})
+      : DistributedDataParallelBase(nullptr, group, options) {
+    static_assert(detail::always_false_v<T>,
+                  "DistributedDataParallel takes the model by std::shared_ptr or as a TORCH_MODULE holder, "
+                  "not by value or reference: hold it in a std::make_shared<Net>() or a TORCH_MODULE(Net) holder");
+  }
 
   // The module's forward, with what it takes and what it returns.
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
-    reducer_->prepare_forward();
+    prepare_forward();
     return module_->forward(std::forward<Args>(args)...);
   }
   template <typename... Args>
@@ -199,44 +191,21 @@ class DistributedDataParallel {
     return forward(std::forward<Args>(args)...);
   }
 
-  // While the guard lives, the backward after each forward accumulates
-  // gradients locally and sends nothing.
-  class NoSync {
-   public:
-    explicit NoSync(std::shared_ptr<Reducer> reducer) : reducer_(std::move(reducer)) { reducer_->enter_no_sync(); }
-    ~NoSync() {
-      if (reducer_) reducer_->leave_no_sync();
-    }
-    NoSync(NoSync&& other) noexcept : reducer_(std::move(other.reducer_)) {}
-    NoSync(const NoSync&) = delete;
-    NoSync& operator=(const NoSync&) = delete;
-    NoSync& operator=(NoSync&&) = delete;
-
-   private:
-    std::shared_ptr<Reducer> reducer_;
-  };
-  NoSync no_sync() const { return NoSync(reducer_); }
-
-  // See Reducer::register_comm_hook.
-  void register_comm_hook(hooks::CommHookPtr hook) { reducer_->register_comm_hook(std::move(hook)); }
-  hooks::CommHook& comm_hook() const { return reducer_->comm_hook(); }
-
-  const std::shared_ptr<ModuleType>& module() const { return module_; }
-  ModuleType* operator->() const { return module_.get(); }
+  const std::shared_ptr<Module>& module() const { return module_; }
+  Module* operator->() const { return module_.get(); }
   void train(bool on = true) { module_->train(on); }
   void eval() { module_->eval(); }
   bool is_training() const { return module_->is_training(); }
-  const ProcessGroup& process_group() const { return reducer_->process_group(); }
-  // Buckets, bytes on the wire, time waited, replica checks.
-  Reducer& reducer() const { return *reducer_; }
 
  private:
-  std::shared_ptr<ModuleType> module_;
-  std::shared_ptr<Reducer> reducer_;
+  std::shared_ptr<Module> module_;
 };
 
-template <typename ModuleType>
-DistributedDataParallel(const torch::nn::ModuleHolder<ModuleType>&, const ProcessGroup&, const DdpOptions& = {})
-    -> DistributedDataParallel<ModuleType>;
+template <typename M>
+DistributedDataParallel(std::shared_ptr<M>, const ProcessGroup&, const DdpOptions& = {}) -> DistributedDataParallel<M>;
+template <typename H, typename = std::enable_if_t<detail::is_module_holder_v<H>>>
+DistributedDataParallel(const H&, const ProcessGroup&, const DdpOptions& = {}) -> DistributedDataParallel<H>;
+template <typename T, typename = std::enable_if_t<detail::is_module_by_value_v<T>>, typename = void>
+DistributedDataParallel(T&, const ProcessGroup&, const DdpOptions& = {}) -> DistributedDataParallel<T>;
 
 }  // namespace mnist_ddp

@@ -10,28 +10,31 @@
 // Eval: running statistics, no communication. World size 1: BatchNorm.
 // Any input of 2 to 5 dimensions [N, C, ...], as BatchNorm1d/2d/3d take.
 //
-// The statistics go through the quick stream of the layer's process group
-// (collectives.hpp): forward blocks the calling thread, backward blocks
-// autograd's, each for one allreduce. Works with CPU or CUDA tensors on Gloo
-// and CUDA tensors on NCCL. The running statistics are computed from the
-// allreduced sums elementwise only, so they stay bit-identical across ranks
-// (src/parallel/exact_math.hpp). Ranks may hold different batch sizes,
-// including none at all, but every rank must run forward and backward the
-// same number of times.
+// The statistics travel over the layer's process group: forward blocks the
+// calling thread, backward blocks autograd's, each for one allreduce.
+// Works with CPU or CUDA tensors on Gloo and CUDA tensors on NCCL. The
+// running statistics are computed from the allreduced sums elementwise
+// only, so they stay bit-identical across ranks. Ranks may hold different
+// batch sizes, including none at all, but every rank must run the same
+// training forwards and backwards: a training forward on some ranks only
+// (sampling from rank 0 in train mode) is a CollectiveMismatch naming it.
 //
 // Which group: the one convert_sync_batchnorm() or the layer's
 // set_process_group() names; else the group of the DistributedDataParallel
 // that wraps the model (it binds every SyncBatchNorm without one); else the
 // process's default group (init_process_group()); with none, the process
 // is alone, and the layer is BatchNorm.
+//
+// Thread safety: as any module: one forward at a time.
 #pragma once
 
-#include <torch/torch.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/pimpl.h>
 
 #include <memory>
 #include <optional>
 
-#include "mnist_ddp/comm/collectives.hpp"
 #include "mnist_ddp/comm/process_group.hpp"
 
 namespace mnist_ddp {
@@ -56,25 +59,19 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
 
   void reset() override;
   torch::Tensor forward(const torch::Tensor& input);
-  // relu(forward(input)); in training on more than one rank, with a
-  // contiguous float32 NCHW input on the CPU, fused into three passes over
-  // the activations forward and two backward.
-  torch::Tensor forward_relu(const torch::Tensor& input);
 
-  // The group whose quick stream carries the statistics.
-  void set_process_group(const ProcessGroup& group) { stream = group.quick(); }
+  // The group whose statistics this layer takes (see the top of the file).
+  void set_process_group(const ProcessGroup& group) { group_ = group; }
+  // The group set_process_group() named; nullopt: none yet.
+  const std::optional<ProcessGroup>& process_group() const { return group_; }
 
   torch::nn::BatchNormOptions options;
-  // nullptr: the default group's, while one lives.
-  std::shared_ptr<CollectiveStream> stream;
   torch::Tensor weight, bias;                                   // parameters (undefined unless affine)
   torch::Tensor running_mean, running_var, num_batches_tracked;  // buffers (undefined unless tracked)
 
  private:
   void register_state();
-  void check_channels(const torch::Tensor& input) const;
-  // The stream this forward syncs over; nullptr: none (one process).
-  std::shared_ptr<CollectiveStream> active_stream() const;
+  std::optional<ProcessGroup> group_;
 };
 TORCH_MODULE(SyncBatchNorm);
 
@@ -102,9 +99,5 @@ void convert_sync_batchnorm(const torch::nn::ModuleHolder<ModuleType>& module,
                             const std::optional<ProcessGroup>& group = std::nullopt) {
   convert_sync_batchnorm(static_cast<torch::nn::Module&>(*module.ptr()), group);
 }
-
-// relu(layer(input)) for `layer` a BatchNorm or a SyncBatchNorm (fused
-// where SyncBatchNormImpl::forward_relu fuses).
-torch::Tensor batch_norm_relu(torch::nn::Module& layer, const torch::Tensor& input);
 
 }  // namespace mnist_ddp

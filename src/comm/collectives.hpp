@@ -1,5 +1,5 @@
 // The ordered collective stream: every collective of one group, issued by
-// one thread in one order.
+// one thread in one order. Not installed.
 //
 // Note on order. NCCL and Gloo match collectives across ranks by the order in
 // which each rank issues them on a group; NCCL hangs when two ranks issue the
@@ -34,13 +34,11 @@
 #include <utility>
 #include <vector>
 
-#include "mnist_ddp/base/port.hpp"
+#include "mnist_ddp/comm/process_group.hpp"
+#include "base/port.hpp"
+#include "comm/backends.hpp"
 
 namespace mnist_ddp {
-
-using Group = port::Group;
-using GroupPtr = c10::intrusive_ptr<Group>;
-using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
 class SharedMemoryReducer;
 
@@ -56,9 +54,6 @@ class StreamProbe {
   // On the communication thread, for each collective: "allreduce Double [65]".
   virtual void issued(const std::string& collective) {}
 };
-
-// A future that is already complete with `tensor`.
-FuturePtr completed_future(const torch::Tensor& tensor);
 
 // The process group as the communication thread sees it. Only tasks of a
 // CollectiveStream (below) touch a Channel, so its calls are never concurrent.
@@ -83,7 +78,8 @@ constexpr int64_t kLinkPieceBytes = 256 * 1024;
 constexpr int kLinkPiecesInFlight = 2;
 class Channel {
  public:
-  Channel(GroupPtr group, torch::Device device, bool nccl, std::unique_ptr<SharedMemoryReducer> shared = nullptr);
+  Channel(GroupPtr group, torch::Device device, const Backend& backend,
+          std::unique_ptr<SharedMemoryReducer> shared = nullptr);
   ~Channel();
 
   int rank() const { return group_->getRank(); }
@@ -103,6 +99,9 @@ class Channel {
   // Every rank's `tensor` (same shape and dtype) on rank 0, in rank order, on
   // the CPU; an empty list elsewhere.
   std::vector<torch::Tensor> gather_to_rank0(const torch::Tensor& tensor);
+  // Every rank's `tensor` (same shape and dtype on every rank), stacked in
+  // rank order: [world_size, tensor's shape...], on tensor's device. Blocking.
+  torch::Tensor allgather(const torch::Tensor& tensor);
   // Sends `out` to rank `to` while receiving `in` (as many elements, both
   // contiguous) from rank `from`, in pieces of at most `piece` elements with
   // at most `depth` pieces in flight each way; blocking.
@@ -110,7 +109,7 @@ class Channel {
   void barrier();
   // Where tensors of the small blocking collectives travel: the device under
   // NCCL, the CPU under Gloo (whose every collective takes CPU tensors).
-  torch::Device staging() const { return nccl_ ? device_ : torch::Device(torch::kCPU); }
+  torch::Device staging() const { return backend_.on_device ? device_ : torch::Device(torch::kCPU); }
 
   std::shared_ptr<StreamProbe> probe;  // see StreamProbe; set by CollectiveStream::watch
 
@@ -122,7 +121,7 @@ class Channel {
 
   GroupPtr group_;
   torch::Device device_;
-  bool nccl_;
+  const Backend& backend_;
   std::unique_ptr<SharedMemoryReducer> shared_;
   int tag_ = 0;  // point-to-point tags, the same sequence on every rank
 };
@@ -134,8 +133,10 @@ class CollectiveStream {
 
   // Starts the communication thread, which makes `device` current for
   // itself. `shared`: see Channel.
-  CollectiveStream(GroupPtr group, torch::Device device, bool nccl, std::unique_ptr<SharedMemoryReducer> shared = nullptr);
-  // Runs what is still queued, stops the thread, and shuts an NCCL group down.
+  CollectiveStream(GroupPtr group, torch::Device device, const Backend& backend,
+                   std::unique_ptr<SharedMemoryReducer> shared = nullptr);
+  // Runs what is still queued, stops the thread, and shuts the group down
+  // (Backend::shut_down) unless a collective failed.
   ~CollectiveStream();
   CollectiveStream(const CollectiveStream&) = delete;
   CollectiveStream& operator=(const CollectiveStream&) = delete;
@@ -160,6 +161,7 @@ class CollectiveStream {
   void allreduce_sum(torch::Tensor& tensor);
   void broadcast(torch::Tensor& tensor, int root = 0);
   std::vector<torch::Tensor> gather_to_rank0(const torch::Tensor& tensor);
+  torch::Tensor allgather(const torch::Tensor& tensor);
   // Rank 0's `bytes` on every rank.
   void broadcast_bytes(std::vector<char>& bytes);
   void barrier();
@@ -173,7 +175,7 @@ class CollectiveStream {
 
   const int rank_, world_size_;
   const torch::Device device_;
-  const bool nccl_;
+  const Backend& backend_;
   GroupPtr group_;
   Channel channel_;
 

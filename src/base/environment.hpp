@@ -1,4 +1,4 @@
-// The one place that reads the process's environment.
+// The one place that reads the process's environment. Not installed.
 //
 // read_environment() turns the variables this process was started with into
 // plain values: which launcher started it as a worker and what that launcher
@@ -67,6 +67,9 @@ struct WorkerEnv {
   // Set by our launcher: a failing worker writes an error report here
   // (error_report.hpp) instead of printing it.
   int error_report_fd = -1;
+  // Set by our launcher: its --timeout, in milliseconds, which a program's
+  // process group takes unless its options name another; 0: none given.
+  int timeout_ms = 0;
 
   bool ours() const { return round >= 0; }
 };

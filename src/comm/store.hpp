@@ -1,5 +1,6 @@
 // The job's rendezvous store: a c10d TCPStore, hosted by node 0's launcher
-// (ours), by torchrun's agent when it says so, else by rank 0.
+// (ours), by torchrun's agent when it says so, else by rank 0. Private to
+// the library and its application.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -17,18 +18,20 @@
 #include <type_traits>
 #include <vector>
 
+#include "mnist_ddp/base/errors.hpp"
+
 namespace mnist_ddp {
 
 using StorePtr = c10::intrusive_ptr<c10d::Store>;
 
 // The store could not be hosted: its port is taken on this machine.
-struct PortInUse : std::runtime_error {
-  using std::runtime_error::runtime_error;
+struct PortInUse : Error {
+  using Error::Error;
 };
 
 // A store request that got no answer in time (see "Note on stalls").
-struct StoreStalled : std::runtime_error {
-  using std::runtime_error::runtime_error;
+struct StoreStalled : Timeout {
+  using Timeout::Timeout;
 };
 
 // Hosts the job's TCPStore at addr:port (port 0: a free one), or, unless
@@ -102,7 +105,7 @@ std::string store_kind();
 // store, this holds the IPv4 address (network byte order) that the store's
 // listening socket should be narrowed to; 0xffffffff (INADDR_NONE) outside
 // that window. The mnist_ddp executable's bind() reads it
-// (src/narrow_store_bind.cpp); a program without that file listens as
+// (app/narrow_store_bind.cpp); a program without that file listens as
 // LibTorch does.
 std::atomic<uint32_t>& store_bind_address();
 

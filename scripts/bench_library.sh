@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The library on a model that is not Net: examples/resnet_model.hpp's ResNet
+# (Fashion-MNIST-shaped, batch 32 a process, one core a process), three
+# ways in one run, --rounds interleaved rounds, medians:
+#   - the floor: two processes at once, each training alone (no DDP);
+#   - our DDP on 2 ranks (mnist_ddp_bench library), with BatchNorm and with
+#     SyncBatchNorm, and with nothing communicated (each rank's own
+#     gradients, no buffer broadcast): DDP's own bookkeeping;
+#   - PyTorch's Python DDP on 2 ranks, python_ddp.py's way (BatchNorm: its
+#     SyncBatchNorm refuses CPU tensors).
+# Each figure is ms per step after 5 steps of warm-up, on the processes' own
+# clocks, so start-up is left out.
+#
+#   bash scripts/bench_library.sh [--steps 100] [--rounds 5]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+steps=100 rounds=5
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    --steps) steps="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    *) echo "usage: bash scripts/bench_library.sh [--steps N] [--rounds R]" >&2; exit 2 ;;
+  esac
+done
+bash scripts/install_deps.sh test >/dev/null  # mnist_ddp_bench is built beside the tests; PyTorch for its Python DDP
+bash scripts/fetch_data.sh fashion-mnist >/dev/null
+bash scripts/build.sh --target mnist_ddp_bench >/dev/null
+python=""
+for p in python3 /usr/bin/python3; do
+  if "$p" -c "import torch.distributed" 2>/dev/null; then python="$p"; break; fi
+done
+[ -n "$python" ] || echo "bench_library: no Python with torch: Python DDP is left out" >&2
+
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+for round in $(seq 1 "$rounds"); do
+  echo "bench_library: round $round of $rounds" >&2
+  OMP_NUM_THREADS=1 ./build/tests/mnist_ddp_bench library "$steps" >>"$out/ours"
+  if [ -n "$python" ]; then
+    "$python" scripts/python_ddp.py --model resnet --steps $((steps + 5)) --warmup 5 --dataset fashion-mnist \
+      >"$out/python.txt" 2>&1 || { echo "bench_library: Python DDP failed:" >&2; tail -n 5 "$out/python.txt" >&2; exit 1; }
+    sed -n 's/^steps \([0-9]*\) in \([0-9.]*\) s$/\1 \2/p' "$out/python.txt" >>"$out/python"
+  fi
+done
+python3 - "$out" "$steps" "$rounds" <<'EOF'
+import os, statistics, sys
+out, steps, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rows = {}
+for line in open(os.path.join(out, "ours")):
+    words = line.split()
+    for name, value in zip(words[0::2], words[1::2]):
+        rows.setdefault(name, []).append(float(value))
+if os.path.exists(os.path.join(out, "python")):
+    for line in open(os.path.join(out, "python")):
+        n, seconds = line.split()
+        rows.setdefault("python_ddp", []).append(1000 * float(seconds) / int(n))
+floor = statistics.median(rows["floor"])
+labels = {"floor": "the floor: 2 processes at once, each alone",
+          "ddp": "our DDP, 2 ranks, BatchNorm",
+          "ddp_syncbn": "our DDP, 2 ranks, SyncBatchNorm",
+          "ddp_local": "our DDP, 2 ranks, nothing communicated",
+          "python_ddp": "PyTorch's Python DDP, 2 ranks, BatchNorm"}
+print(f"examples/resnet's model, batch 32 a process, 1 core a process; medians of {rounds} interleaved "
+      f"round(s) of {steps} steps\n")
+print("| run | ms/step | x the floor |\n|---|---:|---:|")
+for name in ["floor", "ddp_local", "ddp", "ddp_syncbn", "python_ddp"]:
+    if name in rows:
+        ms = statistics.median(rows[name])
+        print(f"| {labels[name]} | {ms:.1f} | {ms / floor:.2f} |")
+EOF

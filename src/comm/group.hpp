@@ -1,0 +1,87 @@
+// The process group as the library and its application see it: its
+// streams, its store, where each rank runs, who went silent. Not installed;
+// a program sees process_group.hpp only.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mnist_ddp/comm/process_group.hpp"
+#include "base/environment.hpp"
+#include "comm/collectives.hpp"
+#include "comm/store.hpp"
+
+namespace mnist_ddp {
+
+class Heartbeat;
+
+struct ProcessGroup::State {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string backend = "gloo";
+  c10::Device device = c10::kCPU;
+  std::chrono::milliseconds timeout{300'000};
+  int restart = 0;
+  std::string launcher;
+  std::string gloo_address = "127.0.0.1";
+  bool shared_memory = false;
+  StorePtr store;
+  std::shared_ptr<CollectiveStream> stream, quick;
+  std::shared_ptr<Heartbeat> heartbeat;
+  int streams_made = 0;           // by new_stream(), for their store prefixes
+  int models = 0;                 // model_stream()s handed out
+  std::vector<int> node_of_rank;  // where our launcher's nodes placed each rank; empty: uniform
+};
+
+// What the library's own code may ask of a group beyond its public calls.
+struct GroupAccess {
+  using State = ProcessGroup::State;
+  static ProcessGroup make(std::shared_ptr<State> state) { return ProcessGroup(std::move(state)); }
+  static State& state(const ProcessGroup& group) { return *group.state_; }
+};
+using GroupState = GroupAccess::State;
+
+// The two ordered streams (collectives.hpp): the bulk one carries gradient
+// buckets, checkpoints and replica checks; the quick one the small
+// collectives that computation waits on (SyncBatchNorm's statistics), so
+// that none of them queues behind a bucket crossing a slow link. Under
+// NCCL, and for a world of 1, they are one.
+const std::shared_ptr<CollectiveStream>& bulk_stream(const ProcessGroup& group);
+const std::shared_ptr<CollectiveStream>& quick_stream(const ProcessGroup& group);
+// A further stream over a group of its own. Collective: every rank calls
+// it the same number of times, in the same order.
+std::shared_ptr<CollectiveStream> new_stream(const ProcessGroup& group);
+// The stream a DistributedDataParallel's buckets take: the bulk stream for
+// the group's first, a new_stream() for each later one. Collective.
+std::shared_ptr<CollectiveStream> model_stream(const ProcessGroup& group);
+
+const StorePtr& store_of(const ProcessGroup& group);
+// The machine rank `rank` runs on (0 ... nodes - 1), as its launcher placed
+// it: node 0's ranks come first.
+int node_of(const ProcessGroup& group, int rank);
+// The ranks whose heartbeat stopped: after a collective failed, who is
+// gone. Watches the store for a few seconds; rank 0 when the store itself
+// is gone (its host took rank 0 along); nullopt when the store does not
+// answer (its host, or the link to it, hangs).
+std::optional<std::vector<int>> silent_ranks(const ProcessGroup& group);
+
+// Joins the job for a worker whose launcher's environment is already read
+// (the mnist_ddp application resolves it against its own flags first).
+ProcessGroup init_process_group(const WorkerEnv& env, const ProcessGroupOptions& options);
+
+// A group over a store whose ranks are settled, for tests that run ranks
+// as threads over one HashStore: starts the heartbeat and forms the groups;
+// blocks until every rank has joined. `backend` "gloo" takes CPU or CUDA
+// tensors, "nccl" CUDA tensors. With `shared_memory` (every rank on this
+// host), a Gloo group on the CPU sums through shared memory. Gloo listens
+// at `gloo_address`. Never becomes the default group.
+ProcessGroup make_process_group(StorePtr store, int rank, int world_size, const std::string& backend,
+                                c10::Device device, std::chrono::milliseconds timeout, bool shared_memory = false,
+                                const std::string& gloo_address = "127.0.0.1");
+
+}  // namespace mnist_ddp

@@ -1,0 +1,130 @@
+// The state behind a DistributedDataParallel: buckets, the hook, averaging.
+// Not installed; distributed.hpp is its contract.
+//
+// Note on order: buckets are posted strictly in index order, from
+// autograd's thread; a hook issues all of a bucket's collectives (PowerSGD
+// issues several) within its one task. So every rank issues the same
+// collectives in the same order (collectives.hpp). The first DDP of a
+// process group sends its buckets on the group's bulk stream, each later
+// one on a stream of its own, so that two models' buckets never need
+// matching against each other.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mnist_ddp/comm/process_group.hpp"
+#include "mnist_ddp/parallel/comm_hooks.hpp"
+#include "mnist_ddp/parallel/distributed.hpp"
+#include "comm/collectives.hpp"
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace mnist_ddp {
+
+// Groups tensors, given in bucket order with their sizes in bytes and a
+// kind each (their dtype: tensors of two kinds never share a bucket), into
+// buckets: a bucket of a kind closes once it holds at least its cap, which
+// is `first_cap_bytes` for the first bucket of each kind and `cap_bytes`
+// after. Buckets are ordered by their first tensor. Returns the tensor
+// indices of each bucket. `kinds` empty: all of one kind. Pure.
+std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<int64_t>& sizes_bytes,
+                                                           int64_t first_cap_bytes, int64_t cap_bytes,
+                                                           const std::vector<int>& kinds = {});
+
+// The parameters or buffers `named` holds, by tensor (a tensor registered
+// twice, tied weights, counts once), in registration order, with "module."
+// names as PyTorch's DDP's state_dict has them.
+std::vector<std::pair<std::string, torch::Tensor>> distinct_named(
+    const torch::OrderedDict<std::string, torch::Tensor>& named);
+
+namespace detail {
+
+class Reducer : public std::enable_shared_from_this<Reducer> {
+ public:
+  // Blocks until every rank has constructed its DDP (the broadcast).
+  static std::shared_ptr<Reducer> create(std::shared_ptr<torch::nn::Module> module, ProcessGroup group,
+                                         DdpOptions options);
+  // Finishes its communication first.
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  void prepare_forward();
+  void register_comm_hook(hooks::CommHookPtr hook);
+  hooks::CommHook& comm_hook() const { return *hook_; }
+  // no_sync() nests; prepare_forward() reads the depth.
+  void enter_no_sync();
+  void leave_no_sync();
+
+  const ProcessGroup& process_group() const { return group_; }
+  const DdpOptions& options() const { return options_; }
+  const hooks::WireStats& wire() const { return wire_stats_; }
+  const std::vector<hooks::GradBucket>& buckets() const { return buckets_; }
+  double communication_wait_seconds() const { return wait_seconds_; }
+  std::vector<std::string> describe_buckets() const;
+  void check_replicas(const std::string& when);
+
+ private:
+  Reducer(std::shared_ptr<torch::nn::Module> module, ProcessGroup group, DdpOptions options);
+  void init();
+  void link_grad(size_t param);
+  void mark_ready(size_t param);
+  void finalize_backward();
+  void post_ready_buckets();  // with mutex_ held
+  void communicate(size_t bucket, Channel& channel);  // a task on the stream
+
+  std::shared_ptr<torch::nn::Module> module_;
+  ProcessGroup group_;
+  DdpOptions options_;
+  std::shared_ptr<CollectiveStream> stream_;
+  hooks::CommHookPtr hook_;
+  bool hook_registered_ = false;
+  hooks::WireStats wire_stats_;  // written by the stream's tasks
+  std::vector<torch::Tensor> params_;      // registration order, without duplicates or frozen ones
+  std::vector<std::string> param_names_;   // "module.fc.weight"
+  std::vector<torch::Tensor> buffers_;
+  std::vector<size_t> bucket_of_;          // param -> bucket
+  std::vector<torch::Tensor> grad_views_;  // param -> view into its bucket
+  std::vector<hooks::GradBucket> buckets_;
+  std::vector<size_t> bucket_sizes_;       // bucket -> its parameters
+  // Keeps the accumulators (and so our hooks on them) alive: autograd holds
+  // them only weakly.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+
+  // Between forwards, on the training thread.
+  int no_sync_depth_ = 0;
+  bool sync_buffers_next_ = true;  // PyTorch's require_forward_param_sync
+
+  // A backward's state, guarded by mutex_ (autograd may run hooks on
+  // threads of its own).
+  std::mutex mutex_;
+  bool sync_next_backward_ = false;  // the last forward asks for averaging
+  bool in_backward_ = false;
+  bool averaging_ = false;           // this backward averages
+  std::vector<int> pending_;         // bucket -> gradients not yet ready
+  std::vector<bool> ready_;          // param -> ready in this backward
+  size_t next_bucket_ = 0;           // buckets [0, next_bucket_) are posted
+  std::vector<CollectiveStream::Ticket> posted_;
+  // Since the last averaging (no_sync's micro-batches included).
+  std::vector<bool> used_;           // param -> received a gradient
+  std::vector<bool> was_undefined_;  // param -> its .grad was undefined before
+  double wait_seconds_ = 0;
+};
+
+}  // namespace detail
+
+// The Reducer behind a DistributedDataParallel, for the library's tests.
+struct DdpAccess {
+  static detail::Reducer& reducer(const DistributedDataParallelBase& ddp) { return *ddp.reducer_; }
+};
+
+}  // namespace mnist_ddp
