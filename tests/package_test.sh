@@ -7,7 +7,7 @@
 #   bash tests/package_test.sh CASE SOURCE_DIR BUILD_DIR TORCH_DIR
 #
 # CASE: build (installs and builds the examples into BUILD_DIR/package; the
-# other cases use them), refuse, launchers, run-errors, subdirectory.
+# other cases use them), refuse, launchers, run-errors, by-value, subdirectory.
 # Exit 0: passed; 77: skipped, the reason printed; else failed, saying what.
 # Every command is bounded in time; every port is one the kernel picked.
 set -euo pipefail
@@ -215,6 +215,25 @@ case "$case_name" in
     run "$mnist_ddp" run --nproc 2 --max-restarts 1 -- "$tmp/once"
     [ "$rc" = 0 ] && [[ "$out" == *"restart 1 of 1"* ]] && [[ "$out" == *"start 1 rank 0"* ]] || fail "a restart: rc $rc: $out"
     echo "restarted once, then exit 0"
+    ;;
+
+  by-value)
+    # A model held by value, as pytorch/examples' cpp/mnist holds one, is
+    # refused at compile time in one sentence. The include directories and
+    # flags are the examples' own, read from their build (the build case's).
+    [ -f "$examples/build.ninja" ] || fail "the examples were not configured with Ninja (ninja-build), whose flags this reads"
+    flags="$(sed -n 's/^ *\(DEFINES\|INCLUDES\|FLAGS\) = //p' "$examples/build.ninja" | head -n 3 | tr '\n' ' ')"
+    printf '%s\n' '#include <mnist_ddp/ddp.hpp>' \
+      'struct Net : torch::nn::Module {};' \
+      'int main() { auto group = mnist_ddp::init_process_group(); Net model; mnist_ddp::DistributedDataParallel ddp(model, group); }' \
+      >"$tmp/by_value.cpp"
+    # shellcheck disable=SC2086  # $flags is several words
+    if c++ $flags -fsyntax-only "$tmp/by_value.cpp" >"$tmp/by_value.err" 2>&1; then
+      fail "a model held by value compiled"
+    fi
+    grep -q "takes the model by std::shared_ptr or as a TORCH_MODULE holder" "$tmp/by_value.err" ||
+      fail "a model held by value is not refused in our words: $(grep -m 3 error "$tmp/by_value.err")"
+    echo "a model held by value: $(grep -m 1 -o 'DistributedDataParallel takes the model[^:]*' "$tmp/by_value.err")"
     ;;
 
   subdirectory)
