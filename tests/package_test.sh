@@ -196,9 +196,11 @@ case "$case_name" in
     run "$mnist_ddp" run --nproc 0 -- true
     [ "$rc" = 2 ] && [ "$(wc -l <<<"$out")" = 1 ] && [[ "$out" == *"--nproc"* ]] || fail "--nproc 0: rc $rc: $out"
     echo "$out"
-    # Rank 1 fails at once; rank 0 would sleep for a minute, and says which
-    # process it is (it execs sleep, so its pid is the sleep's).
-    printf '#!/bin/sh\n[ "$LOCAL_RANK" = 1 ] && exit 3\necho $$ >"%s/sleeper"\nexec sleep 60\n' "$tmp" >"$tmp/flaky"
+    # Rank 0 says which process it is (it execs sleep, so its pid is the
+    # sleep's) and would sleep for a minute; rank 1 fails once rank 0 has
+    # said so (or after 10 s), so that the launcher has a sleeper to stop.
+    printf '#!/bin/sh\nif [ "$LOCAL_RANK" = 1 ]; then\n  i=0\n  while [ ! -s "%s/sleeper" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done\n  exit 3\nfi\necho $$ >"%s/sleeper.tmp" && mv "%s/sleeper.tmp" "%s/sleeper"\nexec sleep 60\n' \
+      "$tmp" "$tmp" "$tmp" "$tmp" >"$tmp/flaky"
     chmod 755 "$tmp/flaky"
     start=$SECONDS
     run "$mnist_ddp" run --nproc 2 -- "$tmp/flaky"
