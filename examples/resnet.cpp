@@ -75,7 +75,10 @@ int main(int argc, char** argv) try {
   std::cout << "resnet: rank " << group.rank() << " of " << group.world_size() << ": " << done
             << " steps, loss " << loss << ", replicas identical" << std::endl;
   return 0;
+} catch (const mnist_ddp::Error& e) {  // the library's one line; a peer may be gone: no destructors
+  std::cerr << "resnet: " << e.what() << std::endl;
+  std::_Exit(1);
 } catch (const std::exception& e) {
   std::cerr << "resnet: " << mnist_ddp::error_line(e) << std::endl;
-  return 1;
+  std::_Exit(1);
 }

@@ -1,5 +1,6 @@
 #include "base/environment.hpp"
 
+#include <sys/stat.h>
 #include <unistd.h>  // environ
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -96,19 +98,33 @@ Environment environment_from(const std::vector<std::string>& variables, double p
   const std::string launched = read.text("MNIST_DDP_LAUNCH_TIME");
   env.launch_time = launched.empty() ? process_start : std::atof(launched.c_str());
   env.dumb_terminal = read.text("TERM") == "dumb";
-  env.secret = read.text("MNIST_DDP_SECRET");
-  if (const std::string file = read.text("MNIST_DDP_SECRET_FILE"); env.secret.empty() && !file.empty()) {
-    std::ifstream in(file, std::ios::binary);
-    std::string secret((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r')) secret.pop_back();
-    if (!in.good() && !in.eof()) secret.clear();
-    if (secret.empty())
-      throw UsageError("environment: MNIST_DDP_SECRET_FILE=" + file + " cannot be read or is empty: give every "
-                       "node of the job the same file, holding the job's secret");
-    env.secret = secret;
-  }
+  env.secret.value = read.text("MNIST_DDP_SECRET");
+  env.secret.file = env.secret.value.empty() ? read.text("MNIST_DDP_SECRET_FILE") : "";
   env.libtorch_log_level = read.has("GLOG_minloglevel");
   return env;
+}
+
+std::string Secret::read(std::string* warning) const {
+  if (file.empty()) return value;
+  const std::string name = "MNIST_DDP_SECRET_FILE=" + file;
+  const std::string advice = ": give every node of the job the same file, readable by you alone, holding the "
+                             "job's secret";
+  struct stat st;
+  if (stat(file.c_str(), &st) != 0)
+    throw UsageError(name + ": " + std::strerror(errno) + advice);
+  if (S_ISDIR(st.st_mode)) throw UsageError(name + " is a directory, not a file" + advice);
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw UsageError(name + " cannot be read (" + std::strerror(errno) + ")" + advice);
+  std::string secret((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r')) secret.pop_back();
+  if (in.bad()) throw UsageError(name + " cannot be read" + advice);
+  if (secret.empty()) throw UsageError(name + " is empty" + advice);
+  if (warning && (st.st_mode & 077)) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    *warning = name + " can be read by other users (mode " + mode + "): keep it readable by you alone (chmod 600)";
+  }
+  return secret;
 }
 
 std::string first_slurm_host(const std::string& nodelist) {

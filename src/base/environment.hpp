@@ -18,6 +18,18 @@
 
 namespace mnist_ddp {
 
+// The secret the nodes of a job share: MNIST_DDP_SECRET, or the contents of
+// the file MNIST_DDP_SECRET_FILE names, read only where a secret is needed.
+struct Secret {
+  std::string value;  // MNIST_DDP_SECRET
+  std::string file;   // MNIST_DDP_SECRET_FILE, where no MNIST_DDP_SECRET is set
+  bool given() const { return !value.empty() || !file.empty(); }
+  // The secret; "" for none. Throws UsageError, in one line, for a file that
+  // is missing, a directory, unreadable or empty; `warning`, where given,
+  // is set for a file other users can read.
+  std::string read(std::string* warning = nullptr) const;
+};
+
 // A worker's place in the job, as the launcher that started it gives it.
 //
 // Our launcher execs each worker with the environment torchrun would give
@@ -49,8 +61,8 @@ struct WorkerEnv {
   // neighbours"); "" where the job has none.
   std::string store_prefix;
   // The secret the job's nodes share (Environment::secret), from which a
-  // job under another launcher derives its prefix; "" for none.
-  std::string secret;
+  // job under another launcher derives its prefix.
+  Secret secret;
   // Which start of the job's workers this is: 0, then one more per restart
   // (our launcher's round, torchrun's TORCHELASTIC_RESTART_COUNT, Slurm's
   // SLURM_RESTART_COUNT for a requeued job).
@@ -85,9 +97,8 @@ struct Environment {
   // When the job was launched, in seconds since the Unix epoch: our
   // launcher's MNIST_DDP_LAUNCH_TIME, else when this process started.
   double launch_time = 0;
-  // The secret the nodes of a job share (MNIST_DDP_SECRET, or the contents
-  // of the file MNIST_DDP_SECRET_FILE names); "" for none.
-  std::string secret;
+  // The secret the nodes of a job share (see Secret), not yet read.
+  Secret secret;
   int parent_pid = 0;               // this process's parent: an MPI job's proxy, one per node
   bool dumb_terminal = false;       // TERM=dumb: no progress line
   bool libtorch_log_level = false;  // GLOG_minloglevel is set: LibTorch's logs are the user's to tune
@@ -99,9 +110,7 @@ struct Environment {
 // This process's environment.
 Environment read_environment();
 // The environment `variables` ("KEY=VALUE") describe, for a process that
-// started at `process_start` (seconds since the Unix epoch). Reads the
-// secret's file when MNIST_DDP_SECRET_FILE names one; throws UsageError
-// when it cannot be read or is empty.
+// started at `process_start` (seconds since the Unix epoch). Reads no file.
 Environment environment_from(const std::vector<std::string>& variables, double process_start = 0);
 
 // The worker this process is when a launcher started it as one:

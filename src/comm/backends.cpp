@@ -18,6 +18,7 @@ Backend gloo() {
   b.name = "gloo";
   b.takes = [](const c10::Device& d) { return d.is_cpu() || d.is_cuda(); };
   b.slow_16bit_sums = true;
+  b.bfloat16 = false;
   b.create = [](const StorePtr& store, int rank, int world_size, std::chrono::milliseconds timeout,
                 const std::string& address) -> GroupPtr {
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);

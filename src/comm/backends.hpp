@@ -36,6 +36,10 @@ struct Backend {
   // Adds 16-bit floats one element at a time (Gloo): large float16 and
   // bfloat16 sums go round the library's own ring instead (collectives.hpp).
   bool slow_16bit_sums = false;
+  // Knows bfloat16 (Gloo of LibTorch 1.13 does not): where it does not, a
+  // bfloat16 tensor is broadcast or gathered as the float16 of its bytes
+  // (moved, never added: the bits arrive as they left).
+  bool bfloat16 = true;
   // Forms this rank's group over `store` (whose keys it owns) within
   // `timeout`. `address`: where a socket-based backend listens.
   std::function<GroupPtr(const StorePtr& store, int rank, int world_size, std::chrono::milliseconds timeout,

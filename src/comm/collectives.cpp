@@ -14,20 +14,24 @@ FuturePtr completed_future(const torch::Tensor& tensor) {
   return future;
 }
 
-Channel::Channel(GroupPtr group, torch::Device device, const Backend& backend, std::unique_ptr<SharedMemoryReducer> shared)
-    : group_(std::move(group)), device_(device), backend_(backend), shared_(std::move(shared)) {}
+Channel::Channel(GroupPtr group, torch::Device device, const Backend& backend, std::unique_ptr<SharedMemoryReducer> shared,
+                 GroupPtr check_group, std::shared_ptr<CollectiveWatch> watch, const std::string& lane)
+    : group_(std::move(group)),
+      device_(device),
+      backend_(backend),
+      shared_(std::move(shared)),
+      check_group_(check_group ? std::move(check_group) : group_),
+      watch_(std::move(watch)),
+      lane_(watch_ ? watch_->lane(lane) : std::make_shared<LaneState>(lane)) {}
 
 Channel::~Channel() = default;
 
-void Channel::issue(const char* kind, const torch::Tensor& tensor) {
-  if (!probe) return;
-  std::ostringstream s;
-  s << kind;
-  if (tensor.defined()) s << " " << tensor.scalar_type() << " " << tensor.sizes();
-  probe->issued(s.str());
+FuturePtr Channel::allreduce_sum(torch::Tensor tensor) {
+  check(Op::allreduce, tensor, 0);
+  return sum_unchecked(std::move(tensor));
 }
 
-FuturePtr Channel::allreduce_sum(torch::Tensor tensor) {
+FuturePtr Channel::sum_unchecked(torch::Tensor tensor) {
   issue("allreduce", tensor);
   if (shared_ && tensor.is_cpu()) {
     torch::Tensor dense = tensor.contiguous();
@@ -75,15 +79,31 @@ void Channel::ring_allreduce_sum(torch::Tensor& tensor) {
 }
 
 void Channel::broadcast(torch::Tensor& tensor, int root) {
+  broadcast_unchecked(tensor, check(Op::broadcast, tensor, root).root);
+}
+
+// `tensor` as the backend can move it: bfloat16 as the float16 of its bytes
+// where the backend does not know bfloat16 (a copy moves bytes alike).
+torch::Tensor Channel::movable(const torch::Tensor& tensor) const {
+  if (!backend_.bfloat16 && tensor.scalar_type() == torch::kBFloat16) return tensor.view(torch::kHalf);
+  return tensor;
+}
+
+void Channel::broadcast_unchecked(torch::Tensor& tensor, int root) {
   issue("broadcast", tensor);
-  std::vector<at::Tensor> tensors{tensor};
+  std::vector<at::Tensor> tensors{movable(tensor)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   group_->broadcast(tensors, opts)->wait();
 }
 
 std::vector<torch::Tensor> Channel::gather_to_rank0(const torch::Tensor& tensor) {
-  std::vector<at::Tensor> input{tensor.to(staging()).contiguous()};
+  check(Op::gather, tensor, 0);
+  return gather_unchecked(tensor);
+}
+
+std::vector<torch::Tensor> Channel::gather_unchecked(const torch::Tensor& tensor) {
+  std::vector<at::Tensor> input{movable(tensor.to(staging()).contiguous())};
   issue("gather", input[0]);
   std::vector<std::vector<at::Tensor>> output;
   if (rank() == 0) {
@@ -95,17 +115,22 @@ std::vector<torch::Tensor> Channel::gather_to_rank0(const torch::Tensor& tensor)
   group_->gather(output, input, opts)->wait();
   std::vector<torch::Tensor> out;
   if (!output.empty())
-    for (auto& t : output[0]) out.push_back(t.cpu());
+    for (auto& t : output[0]) out.push_back(t.cpu().view(tensor.scalar_type()));
   return out;
 }
 
 torch::Tensor Channel::allgather(const torch::Tensor& tensor) {
-  std::vector<at::Tensor> input{tensor.contiguous()};
+  check(Op::allgather, tensor, 0);
+  return allgather_unchecked(tensor);
+}
+
+torch::Tensor Channel::allgather_unchecked(const torch::Tensor& tensor) {
+  std::vector<at::Tensor> input{movable(tensor.contiguous())};
   issue("allgather", input[0]);
   std::vector<std::vector<at::Tensor>> output(1);
   for (int r = 0; r < world_size(); ++r) output[0].push_back(torch::empty_like(input[0]));
   group_->allgather(output, input)->wait();
-  return torch::stack(output[0]);
+  return torch::stack(output[0]).view(tensor.scalar_type());
 }
 
 void Channel::exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from, int64_t piece, int depth) {
@@ -131,18 +156,20 @@ void Channel::exchange(const torch::Tensor& out, int to, torch::Tensor& in, int 
 }
 
 void Channel::barrier() {
+  check(Op::barrier, torch::Tensor(), 0);
   issue("barrier", torch::Tensor());
   group_->barrier()->wait();
 }
 
 CollectiveStream::CollectiveStream(GroupPtr group, torch::Device device, const Backend& backend,
-                                   std::unique_ptr<SharedMemoryReducer> shared)
+                                   std::unique_ptr<SharedMemoryReducer> shared, GroupPtr check_group,
+                                   std::shared_ptr<CollectiveWatch> watch, const std::string& lane)
     : rank_(group->getRank()),
       world_size_(group->getSize()),
       device_(device),
       backend_(backend),
       group_(group),
-      channel_(std::move(group), device, backend, std::move(shared)) {
+      channel_(std::move(group), device, backend, std::move(shared), std::move(check_group), std::move(watch), lane) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -156,7 +183,7 @@ CollectiveStream::~CollectiveStream() {
   if (!error_) backend_.shut_down(*group_);
 }
 
-CollectiveStream::Ticket CollectiveStream::post(Task task) {
+CollectiveStream::Ticket CollectiveStream::post(Task task, std::string issuer) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (const auto probe = probe_) {
     lock.unlock();
@@ -164,7 +191,7 @@ CollectiveStream::Ticket CollectiveStream::post(Task task) {
     lock.lock();
   }
   const Ticket ticket = posted_++;
-  queue_.emplace_back(ticket, std::move(task));
+  queue_.push_back(Queued{ticket, std::move(task), std::move(issuer)});
   cv_.notify_all();
   return ticket;
 }
@@ -175,12 +202,31 @@ void CollectiveStream::wait(Ticket ticket) {
   if (error_ && ticket >= failed_) std::rethrow_exception(error_);
 }
 
-void CollectiveStream::run(const Task& task) { wait(post(task)); }
+void CollectiveStream::run(const Task& task, std::string issuer) { wait(post(task, std::move(issuer))); }
+
+namespace {
+
+// What a task threw, as an mnist_ddp::Error: a backend's exception (Gloo's,
+// c10's) becomes a CollectiveFailed that says, in our words first, who was
+// issuing what.
+std::exception_ptr in_our_words(std::exception_ptr thrown, const std::string& issuer) {
+  try {
+    std::rethrow_exception(thrown);
+  } catch (const Error&) {
+    return thrown;
+  } catch (const std::exception& e) {
+    return std::make_exception_ptr(CollectiveFailed(issuer + ": a collective failed: " + error_line(e)));
+  } catch (...) {
+    return std::make_exception_ptr(CollectiveFailed(issuer + ": a collective failed"));
+  }
+}
+
+}  // namespace
 
 void CollectiveStream::loop() {
   use_device(device_);
   for (;;) {
-    std::pair<Ticket, Task> next;
+    Queued next;
     bool skip = false;
     {
       std::unique_lock<std::mutex> lock(mutex_);
@@ -192,60 +238,64 @@ void CollectiveStream::loop() {
     }
     if (!skip) {
       if (channel_.probe) channel_.probe->running();
+      channel_.set_issuer(next.issuer);
       try {
-        next.second(channel_);
+        next.task(channel_);
       } catch (...) {
+        const std::exception_ptr error = in_our_words(std::current_exception(), next.issuer);
         std::lock_guard<std::mutex> lock(mutex_);
-        error_ = std::current_exception();
-        failed_ = next.first;
+        error_ = error;
+        failed_ = next.ticket;
       }
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      finished_ = next.first + 1;
+      finished_ = next.ticket + 1;
     }
     cv_.notify_all();
   }
 }
 
-void CollectiveStream::allreduce_sum(torch::Tensor& tensor) {
-  run([&](Channel& c) { c.allreduce_sum(tensor)->waitAndThrow(); });
+void CollectiveStream::allreduce_sum(torch::Tensor& tensor, std::string issuer) {
+  run([&](Channel& c) { c.allreduce_sum(tensor)->waitAndThrow(); }, std::move(issuer));
 }
 
-void CollectiveStream::broadcast(torch::Tensor& tensor, int root) {
-  run([&](Channel& c) { c.broadcast(tensor, root); });
+void CollectiveStream::broadcast(torch::Tensor& tensor, int root, std::string issuer) {
+  run([&](Channel& c) { c.broadcast(tensor, root); }, std::move(issuer));
 }
 
-std::vector<torch::Tensor> CollectiveStream::gather_to_rank0(const torch::Tensor& tensor) {
+std::vector<torch::Tensor> CollectiveStream::gather_to_rank0(const torch::Tensor& tensor, std::string issuer) {
   std::vector<torch::Tensor> out;
-  run([&](Channel& c) { out = c.gather_to_rank0(tensor); });
+  run([&](Channel& c) { out = c.gather_to_rank0(tensor); }, std::move(issuer));
   return out;
 }
 
-torch::Tensor CollectiveStream::allgather(const torch::Tensor& tensor) {
+torch::Tensor CollectiveStream::allgather(const torch::Tensor& tensor, std::string issuer) {
   torch::Tensor out;
-  run([&](Channel& c) { out = c.allgather(tensor); });
+  run([&](Channel& c) { out = c.allgather(tensor); }, std::move(issuer));
   return out;
 }
 
-void CollectiveStream::broadcast_bytes(std::vector<char>& bytes) {
-  run([&](Channel& c) {
-    const torch::Device where = c.staging();
-    auto size = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64).to(where);
-    c.broadcast(size, 0);
-    const int64_t n = size.cpu().item<int64_t>();
-    auto data = rank_ == 0 ? torch::from_blob(bytes.data(), {n}, torch::kUInt8).to(where, false, /*copy=*/true)
-                           : torch::empty({n}, torch::TensorOptions(torch::kUInt8).device(where));
-    c.broadcast(data, 0);
-    if (rank_ != 0) {
-      const auto cpu = data.cpu();
-      bytes.assign(static_cast<const char*>(cpu.data_ptr()), static_cast<const char*>(cpu.data_ptr()) + n);
-    }
-  });
+void CollectiveStream::broadcast_bytes(std::vector<char>& bytes, std::string issuer) {
+  run(
+      [&](Channel& c) {
+        const torch::Device where = c.staging();
+        auto size = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64).to(where);
+        c.broadcast(size, 0);
+        const int64_t n = size.cpu().item<int64_t>();
+        auto data = rank_ == 0 ? torch::from_blob(bytes.data(), {n}, torch::kUInt8).to(where, false, /*copy=*/true)
+                               : torch::empty({n}, torch::TensorOptions(torch::kUInt8).device(where));
+        c.broadcast(data, 0);
+        if (rank_ != 0) {
+          const auto cpu = data.cpu();
+          bytes.assign(static_cast<const char*>(cpu.data_ptr()), static_cast<const char*>(cpu.data_ptr()) + n);
+        }
+      },
+      std::move(issuer));
 }
 
-void CollectiveStream::barrier() {
-  run([](Channel& c) { c.barrier(); });
+void CollectiveStream::barrier(std::string issuer) {
+  run([](Channel& c) { c.barrier(); }, std::move(issuer));
 }
 
 void CollectiveStream::watch(std::shared_ptr<StreamProbe> probe) {

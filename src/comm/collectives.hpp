@@ -15,6 +15,21 @@
 // of its own (process_group.hpp: the bulk and the quick lane, and one more
 // per further DDP model), and each keeps this order for itself: no two
 // streams' collectives ever need matching against each other.
+//
+// Note on the check. A program can still issue different collectives on
+// different ranks (a model or hook that differs, a SyncBatchNorm forward on
+// one rank, a rank whose data ran out). So before each collective, every
+// rank says what it is about to issue: who issues it (the task's issuer,
+// "DDP bucket 0's backward"), the operation, the dtype, the element count
+// and the root, in one small sum over the ranks (through shared memory on
+// one host, else the lane's Gloo group, or under NCCL a Gloo group kept for
+// it), each rank in its own row. Ranks that agree issue it; ranks that do
+// not all learn at once what each was about to do and throw the same
+// CollectiveMismatch, before anything of a size the other does not expect
+// reaches the wire. A check that waits long asks the CollectiveWatch who is
+// stuck where (watch.hpp). The same rows carry ddp.join(): a rank whose data
+// ran out says so in its row, and serves the others' collectives with
+// zeros, as their rows describe them, until every rank has joined.
 #pragma once
 
 #include <torch/torch.h>
@@ -34,13 +49,32 @@
 #include <utility>
 #include <vector>
 
+#include "mnist_ddp/base/errors.hpp"
 #include "mnist_ddp/comm/process_group.hpp"
 #include "base/port.hpp"
 #include "comm/backends.hpp"
+#include "comm/watch.hpp"
 
 namespace mnist_ddp {
 
 class SharedMemoryReducer;
+
+// A collective that failed in its backend (Gloo's or c10's exception), in
+// our words: as a program sees it, a PeerLost; the mnist_ddp worker names
+// who went silent before it reports one.
+struct CollectiveFailed : PeerLost {
+  using PeerLost::PeerLost;
+};
+
+// A dtype as a user names it: "float32", "bfloat16", "int64".
+std::string dtype_name(c10::ScalarType type);
+
+// The operations the check tells apart.
+enum class Op : int64_t { allreduce = 1, broadcast, gather, allgather, barrier };
+
+// A broadcast from this root is from the group's authority: rank 0, or,
+// while ranks have joined (ddp.join()), the highest rank still active.
+constexpr int kAuthority = -1;
 
 // A test's window into a stream (the collective-order test): told of every
 // post, every task about to run and every collective issued, so that it
@@ -78,8 +112,12 @@ constexpr int64_t kLinkPieceBytes = 256 * 1024;
 constexpr int kLinkPiecesInFlight = 2;
 class Channel {
  public:
+  // `check_group`: where the check's sums go when there is no shared memory
+  // (nullptr: `group` itself); `watch` and `lane`: where this lane says
+  // how it stands (nullptr: nowhere, for a world of 1).
   Channel(GroupPtr group, torch::Device device, const Backend& backend,
-          std::unique_ptr<SharedMemoryReducer> shared = nullptr);
+          std::unique_ptr<SharedMemoryReducer> shared = nullptr, GroupPtr check_group = GroupPtr(),
+          std::shared_ptr<CollectiveWatch> watch = nullptr, const std::string& lane = "bulk");
   ~Channel();
 
   int rank() const { return group_->getRank(); }
@@ -94,7 +132,7 @@ class Channel {
   FuturePtr allreduce_sum(torch::Tensor tensor);
   // Whether CPU sums go through shared memory.
   bool shares_memory() const { return shared_ != nullptr; }
-  // Blocking.
+  // Blocking. `root` may be kAuthority.
   void broadcast(torch::Tensor& tensor, int root);
   // Every rank's `tensor` (same shape and dtype) on rank 0, in rank order, on
   // the CPU; an empty list elsewhere.
@@ -113,8 +151,37 @@ class Channel {
 
   std::shared_ptr<StreamProbe> probe;  // see StreamProbe; set by CollectiveStream::watch
 
+  // Who issues the collectives that follow ("DDP bucket 0's backward"):
+  // the running task's issuer, for the check.
+  void set_issuer(std::string issuer) { issuer_ = std::move(issuer); }
+  // Compares every rank's `items` (name, value) with rank 0's, in two
+  // allgathers; throws UsageError naming the first difference on every
+  // rank: "<subject>: rank 1's fc1.weight is [512, 784] float32, rank 0's is
+  // [16, 784] float32: <advice>".
+  void agree(const std::vector<std::pair<std::string, std::string>>& items, const std::string& subject,
+             const std::string& advice);
+  // ddp.join() for this lane: serves the collectives the active ranks issue,
+  // with zeros, until every rank has joined. Returns the rank that joined
+  // last (the one whose lane passed the most collectives before joining).
+  int serve_until_all_joined();
+
  private:
+  struct Checked {
+    int root = 0;          // kAuthority resolved
+    int active = 0;        // ranks that issue it (the others have joined)
+  };
+  // The check (see the note at the top): throws CollectiveMismatch where
+  // the ranks disagree; returns the root resolved.
+  Checked check(Op op, const torch::Tensor& tensor, int root);
+  // Every rank's row of `row` (int64, one row each), summed.
+  torch::Tensor exchange_rows(const std::vector<int64_t>& row, const std::string& what);
+  [[noreturn]] void mismatch(const torch::Tensor& rows, const std::string& what);
+  FuturePtr sum_unchecked(torch::Tensor tensor);
+  void broadcast_unchecked(torch::Tensor& tensor, int root);
+  std::vector<torch::Tensor> gather_unchecked(const torch::Tensor& tensor);
+  torch::Tensor allgather_unchecked(const torch::Tensor& tensor);
   void issue(const char* kind, const torch::Tensor& tensor);
+  torch::Tensor movable(const torch::Tensor& tensor) const;
   // Reduce-scatter then allgather round the ring rank -> rank + 1, adding in
   // float32; blocking.
   void ring_allreduce_sum(torch::Tensor& tensor);
@@ -123,6 +190,10 @@ class Channel {
   torch::Device device_;
   const Backend& backend_;
   std::unique_ptr<SharedMemoryReducer> shared_;
+  GroupPtr check_group_;
+  std::shared_ptr<CollectiveWatch> watch_;
+  std::shared_ptr<LaneState> lane_;
+  std::string issuer_ = "a task on the stream";
   int tag_ = 0;  // point-to-point tags, the same sequence on every rank
 };
 
@@ -134,7 +205,8 @@ class CollectiveStream {
   // Starts the communication thread, which makes `device` current for
   // itself. `shared`: see Channel.
   CollectiveStream(GroupPtr group, torch::Device device, const Backend& backend,
-                   std::unique_ptr<SharedMemoryReducer> shared = nullptr);
+                   std::unique_ptr<SharedMemoryReducer> shared = nullptr, GroupPtr check_group = GroupPtr(),
+                   std::shared_ptr<CollectiveWatch> watch = nullptr, const std::string& lane = "bulk");
   // Runs what is still queued, stops the thread, and shuts the group down
   // (Backend::shut_down) unless a collective failed.
   ~CollectiveStream();
@@ -148,23 +220,26 @@ class CollectiveStream {
   bool shares_memory() const { return channel_.shares_memory(); }
 
   // Queues `task` behind every task posted before it; never blocks on the
-  // network. Any thread may post.
-  Ticket post(Task task);
-  // Blocks until task `ticket` has run. Rethrows what it threw. Once a task
-  // has failed, later tasks are not run (no further collectives are issued)
-  // and waiting on them rethrows that first failure.
+  // network. Any thread may post. `issuer` says who issues its collectives,
+  // for the check and its messages ("SyncBatchNorm bn1's forward").
+  Ticket post(Task task, std::string issuer = "a task on the stream");
+  // Blocks until task `ticket` has run. Rethrows what it threw, as an
+  // mnist_ddp::Error (a backend's own exception becomes a PeerLost whose
+  // line says what the lane was doing, the backend's text after it). Once a
+  // task has failed, later tasks are not run (no further collectives are
+  // issued) and waiting on them rethrows that first failure.
   void wait(Ticket ticket);
   // post + wait.
-  void run(const Task& task);
+  void run(const Task& task, std::string issuer = "a task on the stream");
 
   // Blocking conveniences, one task each.
-  void allreduce_sum(torch::Tensor& tensor);
-  void broadcast(torch::Tensor& tensor, int root = 0);
-  std::vector<torch::Tensor> gather_to_rank0(const torch::Tensor& tensor);
-  torch::Tensor allgather(const torch::Tensor& tensor);
+  void allreduce_sum(torch::Tensor& tensor, std::string issuer = "a task on the stream");
+  void broadcast(torch::Tensor& tensor, int root = 0, std::string issuer = "a task on the stream");
+  std::vector<torch::Tensor> gather_to_rank0(const torch::Tensor& tensor, std::string issuer = "a task on the stream");
+  torch::Tensor allgather(const torch::Tensor& tensor, std::string issuer = "a task on the stream");
   // Rank 0's `bytes` on every rank.
-  void broadcast_bytes(std::vector<char>& bytes);
-  void barrier();
+  void broadcast_bytes(std::vector<char>& bytes, std::string issuer = "a task on the stream");
+  void barrier(std::string issuer = "a task on the stream");
 
   // Hands every later post, task and collective to `probe` (nullptr: none).
   // In order with the tasks: a task posted before it runs unwatched.
@@ -179,9 +254,14 @@ class CollectiveStream {
   GroupPtr group_;
   Channel channel_;
 
+  struct Queued {
+    Ticket ticket;
+    Task task;
+    std::string issuer;
+  };
   std::mutex mutex_;
   std::condition_variable cv_;
-  std::deque<std::pair<Ticket, Task>> queue_;
+  std::deque<Queued> queue_;
   Ticket posted_ = 0;    // tickets [0, posted_) were handed out
   Ticket finished_ = 0;  // tasks [0, finished_) have run (or were skipped)
   std::exception_ptr error_;

@@ -16,7 +16,6 @@
 
 namespace mnist_ddp {
 
-class Heartbeat;
 
 struct ProcessGroup::State {
   int rank = 0;
@@ -31,8 +30,9 @@ struct ProcessGroup::State {
   std::string gloo_address = "127.0.0.1";
   bool shared_memory = false;
   StorePtr store;
+  std::shared_ptr<CollectiveWatch> watch;  // the heartbeat, and what each lane is doing
   std::shared_ptr<CollectiveStream> stream, quick;
-  std::shared_ptr<Heartbeat> heartbeat;
+  std::vector<std::weak_ptr<CollectiveStream>> streams;  // every stream made, for ddp.join()
   int streams_made = 0;           // by new_stream(), for their store prefixes
   int models = 0;                 // model_stream()s handed out
   std::vector<int> node_of_rank;  // where our launcher's nodes placed each rank; empty: uniform
@@ -59,6 +59,8 @@ std::shared_ptr<CollectiveStream> new_stream(const ProcessGroup& group);
 // The stream a DistributedDataParallel's buckets take: the bulk stream for
 // the group's first, a new_stream() for each later one. Collective.
 std::shared_ptr<CollectiveStream> model_stream(const ProcessGroup& group);
+// Every stream of the group still alive, the bulk one first.
+std::vector<std::shared_ptr<CollectiveStream>> streams_of(const ProcessGroup& group);
 
 const StorePtr& store_of(const ProcessGroup& group);
 // The machine rank `rank` runs on (0 ... nodes - 1), as its launcher placed

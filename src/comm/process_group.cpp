@@ -18,91 +18,54 @@
 namespace mnist_ddp {
 namespace {
 
-// The rank's group, with the store prefix `name`, behind an ordered stream;
-// with `shared_memory` (every rank on this host), CPU sums go through a
-// SharedMemoryReducer.
-std::shared_ptr<CollectiveStream> make_stream(const StorePtr& store, const std::string& name, const Backend& backend,
-                                              int rank, int world_size, const torch::Device& device,
-                                              const std::string& gloo_address, std::chrono::milliseconds timeout,
-                                              bool shared_memory) {
-  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
-  GroupPtr group;
+// A group of `backend` over `store`'s keys, formed within the timeout
+// (bounded as every store request is: store.hpp, "Note on stalls").
+GroupPtr form_group(const GroupState& s, const Backend& backend, const c10::intrusive_ptr<c10d::Store>& store) {
   try {
-    // Bounded as every store request is (store.hpp, "Note on stalls"): the
-    // group meets its peers through the store.
-    group = StoreClient::within(timeout + std::chrono::seconds(5),
-                                "could not form the process group with all " + std::to_string(world_size) +
-                                    " ranks within " + std::to_string(timeout.count() / 1000) +
-                                    " s: the store stopped answering",
-                                [=] {
-                                  use_device(device);  // the helper thread's, as the caller's
-                                  return backend.create(prefixed, rank, world_size, timeout, gloo_address);
-                                });
+    return StoreClient::within(s.timeout + std::chrono::seconds(5),
+                               "could not form the process group with all " + std::to_string(s.world_size) +
+                                   " ranks within " + std::to_string(s.timeout.count() / 1000) +
+                                   " s: the store stopped answering",
+                               [=, device = s.device, address = s.gloo_address, rank = s.rank,
+                                world = s.world_size, timeout = s.timeout] {
+                                 use_device(device);  // the helper thread's, as the caller's
+                                 return backend.create(store, rank, world, timeout, address);
+                               });
   } catch (const StoreStalled&) {
     throw;
   } catch (const std::exception& e) {
     try {
-      StoreClient(store, std::chrono::seconds(5), "the store").check({"settings/0"});
+      StoreClient(s.store, std::chrono::seconds(5), "the store").check({"settings/0"});
     } catch (const std::exception&) {
       throw store_lost(e);
     }
-    throw Timeout("could not form the process group with all " + std::to_string(world_size) + " ranks within " +
-                  std::to_string(timeout.count() / 1000) + " s (" + error_line(e) + ")");
+    throw Timeout("could not form the process group with all " + std::to_string(s.world_size) + " ranks within " +
+                  std::to_string(s.timeout.count() / 1000) + " s (" + error_line(e) + ")");
   }
+}
+
+// The rank's group, with the store prefix `name`, behind an ordered stream
+// that its watch knows as `lane`; with shared memory (every rank on this
+// host), CPU sums go through a SharedMemoryReducer; under NCCL, the check
+// of each collective goes through a Gloo group of its own (collectives.hpp).
+std::shared_ptr<CollectiveStream> make_stream(GroupState& s, const std::string& name, const std::string& lane) {
+  const Backend& backend = backend_named(s.backend);
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, s.store);
+  GroupPtr group = form_group(s, backend, prefixed);
+  GroupPtr check_group;
+  if (backend.on_device && s.world_size > 1)
+    check_group = form_group(s, backend_named("gloo"), c10::make_intrusive<c10d::PrefixStore>(name + "/check", s.store));
   std::unique_ptr<SharedMemoryReducer> shared;
-  if (shared_memory && world_size > 1)
-    shared = std::make_unique<SharedMemoryReducer>(*prefixed, rank, world_size, timeout,
+  if (s.shared_memory && s.world_size > 1)
+    shared = std::make_unique<SharedMemoryReducer>(*prefixed, s.rank, s.world_size, s.timeout,
                                                    [&] { group->barrier()->wait(); });
-  return std::make_shared<CollectiveStream>(group, device, backend, std::move(shared));
+  auto stream = std::make_shared<CollectiveStream>(group, s.device, backend, std::move(shared), std::move(check_group),
+                                                   s.watch, lane);
+  s.streams.push_back(stream);
+  return stream;
 }
 
 }  // namespace
-
-// Every rank beats into the store once a second. Its thread may be blocked
-// on a stalled store when the job ends: then it is left to the process's
-// end rather than waited for.
-class Heartbeat {
- public:
-  Heartbeat(StorePtr store, int rank, std::chrono::milliseconds timeout)
-      : state_(std::make_shared<State>(StoreClient(std::move(store), timeout, "the store"))) {
-    std::thread([state = state_, key = "heartbeat/" + std::to_string(rank)] { beat(*state, key); }).detach();
-  }
-  ~Heartbeat() {
-    std::unique_lock<std::mutex> lock(state_->mutex);
-    state_->stopping = true;
-    state_->cv.notify_all();
-    state_->cv.wait_for(lock, std::chrono::seconds(1), [this] { return state_->stopped; });
-  }
-
- private:
-  struct State {
-    explicit State(StoreClient c) : client(std::move(c)) {}
-    StoreClient client;
-    std::mutex mutex;
-    std::condition_variable cv;
-    bool stopping = false, stopped = false;
-  };
-
-  static void beat(State& state, const std::string& key) {
-    std::unique_lock<std::mutex> lock(state.mutex);
-    for (int64_t n = 1; !state.stopping; ++n) {
-      lock.unlock();
-      try {
-        state.client.set(key, std::to_string(n));
-      } catch (const std::exception&) {
-        lock.lock();
-        break;  // the store is gone or stalled: someone will say so
-      }
-      lock.lock();
-      state.cv.wait_for(lock, std::chrono::seconds(1), [&] { return state.stopping; });
-    }
-    state.stopped = true;
-    state.cv.notify_all();
-  }
-
-  std::shared_ptr<State> state_;
-};
-
 
 int ProcessGroup::rank() const { return state_->rank; }
 int ProcessGroup::world_size() const { return state_->world_size; }
@@ -113,10 +76,16 @@ const std::string& ProcessGroup::backend() const { return state_->backend; }
 std::chrono::milliseconds ProcessGroup::timeout() const { return state_->timeout; }
 int ProcessGroup::restart() const { return state_->restart; }
 const std::string& ProcessGroup::launcher() const { return state_->launcher; }
-void ProcessGroup::allreduce_sum(at::Tensor& tensor) const { state_->stream->allreduce_sum(tensor); }
-void ProcessGroup::broadcast(at::Tensor& tensor, int root) const { state_->stream->broadcast(tensor, root); }
-at::Tensor ProcessGroup::allgather(const at::Tensor& tensor) const { return state_->stream->allgather(tensor); }
-void ProcessGroup::barrier() const { state_->stream->barrier(); }
+void ProcessGroup::allreduce_sum(at::Tensor& tensor) const {
+  state_->stream->allreduce_sum(tensor, "the program's own allreduce_sum");
+}
+void ProcessGroup::broadcast(at::Tensor& tensor, int root) const {
+  state_->stream->broadcast(tensor, root, "the program's own broadcast");
+}
+at::Tensor ProcessGroup::allgather(const at::Tensor& tensor) const {
+  return state_->stream->allgather(tensor, "the program's own allgather");
+}
+void ProcessGroup::barrier() const { state_->stream->barrier("the program's own barrier"); }
 
 const std::shared_ptr<CollectiveStream>& bulk_stream(const ProcessGroup& group) {
   return GroupAccess::state(group).stream;
@@ -129,9 +98,15 @@ const StorePtr& store_of(const ProcessGroup& group) { return GroupAccess::state(
 std::shared_ptr<CollectiveStream> new_stream(const ProcessGroup& group) {
   GroupState& s = GroupAccess::state(group);
   if (s.world_size == 1) return s.stream;
-  const std::string name = "stream/" + std::to_string(++s.streams_made);
-  return make_stream(s.store, name, backend_named(s.backend), s.rank, s.world_size, s.device, s.gloo_address,
-                     s.timeout, s.shared_memory);
+  const int n = ++s.streams_made;
+  return make_stream(s, "stream/" + std::to_string(n), "stream " + std::to_string(n));
+}
+
+std::vector<std::shared_ptr<CollectiveStream>> streams_of(const ProcessGroup& group) {
+  std::vector<std::shared_ptr<CollectiveStream>> live;
+  for (const auto& stream : GroupAccess::state(group).streams)
+    if (auto s = stream.lock()) live.push_back(std::move(s));
+  return live;
 }
 
 std::shared_ptr<CollectiveStream> model_stream(const ProcessGroup& group) {
@@ -221,13 +196,9 @@ std::shared_ptr<GroupState> form(StorePtr store, int rank, int world_size, const
   s->gloo_address = gloo_address;
   s->store = std::move(store);
   s->shared_memory = shared_memory && !backend.on_device && device.is_cpu();
-  s->heartbeat = std::make_shared<Heartbeat>(s->store, rank, timeout);
-  s->stream = make_stream(s->store, "main", backend, rank, world_size, device, gloo_address, timeout,
-                          s->shared_memory);
-  s->quick = !backend.lanes || world_size == 1
-                 ? s->stream
-                 : make_stream(s->store, "quick", backend, rank, world_size, device, gloo_address, timeout,
-                               s->shared_memory);
+  if (world_size > 1) s->watch = std::make_shared<CollectiveWatch>(s->store, rank, world_size, timeout);
+  s->stream = make_stream(*s, "main", "bulk");
+  s->quick = !backend.lanes || world_size == 1 ? s->stream : make_stream(*s, "quick", "quick");
   return s;
 }
 

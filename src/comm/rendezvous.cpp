@@ -157,7 +157,8 @@ std::pair<StorePtr, int> open_job_store(const WorkerEnv& env, std::chrono::milli
   }
   // The job's own keys live under a prefix nobody else can name (store.hpp,
   // "Note on neighbours"): our launcher's, or one derived from the secret.
-  const std::string prefix = env.ours() ? env.store_prefix : env.secret.empty() ? "" : prefix_for_secret(env.secret);
+  const std::string secret = env.ours() ? "" : env.secret.read();
+  const std::string prefix = env.ours() ? env.store_prefix : secret.empty() ? "" : prefix_for_secret(secret);
   auto under = [&](const std::string& name) -> StorePtr {
     return c10::make_intrusive<c10d::PrefixStore>(prefix.empty() ? name : prefix + "/" + name, store);
   };

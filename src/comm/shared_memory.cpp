@@ -210,9 +210,8 @@ void SharedMemoryReducer::check_peers(uint64_t barrier, std::chrono::steady_cloc
   if (std::chrono::steady_clock::now() < deadline || missing.empty()) return;
   std::string who;
   for (int r : missing) who += (who.empty() ? "" : ", ") + std::to_string(r);
-  throw std::runtime_error("rank" + std::string(missing.size() > 1 ? "s " : " ") + who +
-                           " did not reach a collective within " + std::to_string(timeout_.count() / 1000) +
-                           " s (--timeout)");
+  throw Timeout("rank" + std::string(missing.size() > 1 ? "s " : " ") + who + " did not reach a collective within " +
+                std::to_string(timeout_.count() / 1000) + " s (--timeout)");
 }
 
 // Every rank enters barriers in the same sequence; barrier n is passed once
@@ -220,7 +219,7 @@ void SharedMemoryReducer::check_peers(uint64_t barrier, std::chrono::steady_cloc
 // sleepers. A waiter spins briefly (its peers usually arrive within
 // microseconds, and its own compute thread is waiting on it), then sleeps
 // on the futex, looking at its peers every few milliseconds.
-void SharedMemoryReducer::barrier() {
+void SharedMemoryReducer::barrier(const std::function<void()>& stalled) {
   const uint64_t n = ++barriers_;
   arrived(base_, rank_).store(n);
   std::atomic<uint32_t>& wake = wake_word(base_);
@@ -241,11 +240,12 @@ void SharedMemoryReducer::barrier() {
     if (all_arrived(n)) return;
     futex_wait(wake, seen, kCheckEvery);
     if (all_arrived(n)) return;
+    if (stalled) stalled();
     check_peers(n, deadline);
   }
 }
 
-void SharedMemoryReducer::allreduce_sum(at::Tensor& tensor) {
+void SharedMemoryReducer::allreduce_sum(at::Tensor& tensor, const std::function<void()>& stalled) {
   TORCH_CHECK(tensor.is_cpu() && tensor.is_contiguous(), "shared-memory allreduce: needs a contiguous CPU tensor");
   const at::ScalarType dtype = tensor.scalar_type();
   const int64_t element = static_cast<int64_t>(tensor.element_size());
@@ -255,7 +255,7 @@ void SharedMemoryReducer::allreduce_sum(at::Tensor& tensor) {
     const int64_t n = std::min(per_piece, flat.numel() - offset);
     at::Tensor piece = flat.slice(0, offset, offset + n);
     std::memcpy(slot(set_, rank_), piece.data_ptr(), static_cast<size_t>(n * element));
-    barrier();
+    barrier(stalled);
     std::vector<at::Tensor> parts;
     if (static_cast<size_t>(n * element) <= kAddEverything) {
       for (int r = 0; r < world_size_; ++r) parts.push_back(flat_view(slot(set_, r), n, dtype));

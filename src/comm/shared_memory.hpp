@@ -44,13 +44,14 @@ class SharedMemoryReducer {
   // Replaces `tensor` (CPU, contiguous) with its sum over the ranks. Every
   // rank calls it with the same numel and dtype, in the same order as its
   // other calls; one thread at a time. Blocks until this rank's sum is in
-  // place. Throws PeerLost when a rank's process ended and
-  // std::runtime_error naming the ranks that did not arrive within the
-  // timeout.
-  void allreduce_sum(at::Tensor& tensor);
+  // place. Throws PeerLost when a rank's process ended and Timeout naming
+  // the ranks that did not arrive within the timeout.
+  // `stalled`, where given, is called every few milliseconds while a
+  // barrier waits for a peer, and may throw to end the wait.
+  void allreduce_sum(at::Tensor& tensor, const std::function<void()>& stalled = nullptr);
 
  private:
-  void barrier();
+  void barrier(const std::function<void()>& stalled = nullptr);
   bool all_arrived(uint64_t barrier) const;
   void check_peers(uint64_t barrier, std::chrono::steady_clock::time_point deadline) const;
   char* slot(int set, int rank) const;

@@ -9,6 +9,7 @@
 
 #include <c10/util/hash.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <exception>
@@ -85,18 +86,22 @@ void raise_open_file_limit() {
   }
 }
 
-// What the terminate handler names: the store this process hosts. Plain
-// characters, as the handler may read them on another thread.
-char g_hosted[160] = "the rendezvous store";
+// What the terminate handler names: the store this process hosts, or last
+// reached. Plain characters, as the handler may read them on another thread.
+char g_store[160] = "the rendezvous store";
+std::atomic<bool> g_said{false};  // say_no_more()
 
-void name_hosted_store(const std::string& addr, int port) {
-  std::snprintf(g_hosted, sizeof g_hosted, "the rendezvous store at %s:%d", addr.c_str(), port);
+void name_store(const std::string& addr, int port) {
+  std::snprintf(g_store, sizeof g_store, "the rendezvous store at %s:%d", addr.c_str(), port);
 }
 
-// LibTorch's server loop lets an error escape its thread when it cannot
-// accept a connection (out of descriptors): one line saying so instead of
-// an abort; the workers die with their launcher (PR_SET_PDEATHSIG).
+// LibTorch's store lets an error escape a thread of its own: the server's
+// loop when it cannot accept a connection (out of descriptors), 1.13's
+// client listener when the server's end of the connection goes. One line
+// saying so instead of an abort; the workers die with their launcher
+// (PR_SET_PDEATHSIG).
 [[noreturn]] void one_line_instead_of_abort() {
+  if (g_said) _exit(1);
   std::string why = "an unexpected error";
   try {
     if (const std::exception_ptr e = std::current_exception()) std::rethrow_exception(e);
@@ -108,8 +113,10 @@ void name_hosted_store(const std::string& addr, int port) {
   getrlimit(RLIMIT_NOFILE, &limit);
   if (why.find("Too many open files") != std::string::npos || why.find("errno 24") != std::string::npos ||
       why.find("errno: 24") != std::string::npos)
-    why = std::string(g_hosted) + " ran out of file descriptors (" + std::to_string(limit.rlim_cur) +
+    why = std::string(g_store) + " ran out of file descriptors (" + std::to_string(limit.rlim_cur) +
           ", ulimit -n): too many connections to it from other processes; raise the limit or stop them (" + why + ")";
+  else if (why.find("reset by peer") != std::string::npos || why.find("Broken pipe") != std::string::npos)
+    why = "lost " + std::string(g_store) + " (its host stopped, or dropped the connection): " + why;
   const std::string line = "mnist_ddp: error: " + why + "\n";
   if (write(STDERR_FILENO, line.data(), line.size()) < 0) {
   }
@@ -177,17 +184,17 @@ c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port,
   const in_addr_t address = host ? ipv4_address(addr) : INADDR_NONE;
   const std::string unreachable = "could not reach the rendezvous store at " + addr + ":" + std::to_string(port) +
                                   " within " + std::to_string(timeout.count() / 1000) + " s";
+  // Before the store's threads start: a neighbour may flood it at once.
+  name_store(addr, port);
+  std::set_terminate(one_line_instead_of_abort);
   try {
     if (!host)  // a client's constructor may ask the server something (2.x): bounded
       return StoreClient::within(timeout + std::chrono::seconds(1), unreachable + " (it did not answer)",
                                  [addr, so] { return c10::make_intrusive<c10d::TCPStore>(addr, so); });
-    // Before the server's thread starts: a neighbour may flood it at once.
-    name_hosted_store(addr, port);
-    std::set_terminate(one_line_instead_of_abort);
     store_bind_address() = address;
     auto store = c10::make_intrusive<c10d::TCPStore>(addr, so);
     store_bind_address() = INADDR_NONE;
-    name_hosted_store(addr, static_cast<int>(store->getPort()));
+    name_store(addr, static_cast<int>(store->getPort()));
     return store;
   } catch (const StoreStalled&) {
     throw;
@@ -203,6 +210,8 @@ c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port,
     throw std::runtime_error(unreachable + " (" + why + ")");
   }
 }
+
+void say_no_more() { g_said = true; }
 
 void close_store(c10::intrusive_ptr<c10d::TCPStore>& store) {
   if (!store) return;

@@ -44,6 +44,11 @@ struct StoreStalled : Timeout {
 c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port, bool host,
                                               std::chrono::milliseconds timeout);
 
+// For a process that has said why it ends: an error that escapes one of
+// LibTorch's store threads from now on (open_store() makes such an error
+// one line and exit 1, never an abort) ends it without another line.
+void say_no_more();
+
 // Lets go of a store this process opened, without waiting more than a
 // second for it: LibTorch's server joins its loop on destruction, which a
 // client holding a request open keeps busy for ever. What it could not

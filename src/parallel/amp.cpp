@@ -4,9 +4,11 @@
 
 #include <map>
 #include <mutex>
+#include <sstream>
 #include <utility>
 
 #include "base/port.hpp"
+#include "base/require.hpp"
 #include "comm/group.hpp"
 
 namespace mnist_ddp {
@@ -48,7 +50,7 @@ std::string autocast_unsupported(const torch::Device& device, c10::ScalarType dt
 
 GradScaler::GradScaler(ProcessGroup group, GradScalerOptions options)
     : group_(std::move(group)), options_(std::move(options)), scale_(options_.init_scale()) {
-  TORCH_CHECK(scale_ > 0 && options_.growth_factor() > 1 && options_.backoff_factor() > 0 &&
+  MNIST_DDP_REQUIRE(scale_ > 0 && options_.growth_factor() > 1 && options_.backoff_factor() > 0 &&
                   options_.backoff_factor() < 1 && options_.growth_interval() > 0,
               "GradScaler: init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval > 0");
 }
@@ -68,8 +70,20 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
       const auto bad = p.grad().isfinite().logical_not().any().to(torch::kFloat64);
       found = found.defined() ? found.add_(bad) : bad.clone();
     }
+  if (!agreed_) {  // every rank's scaler with the same options: compared at its first step
+    std::ostringstream o;
+    o << "init_scale " << options_.init_scale() << ", growth_factor " << options_.growth_factor() << ", backoff_factor "
+      << options_.backoff_factor() << ", growth_interval " << options_.growth_interval();
+    quick_stream(group_)->run(
+        [&](Channel& c) {
+          c.agree({{"options", o.str()}, {"scale", std::to_string(scale_)}}, "GradScaler",
+                  "every rank must make its GradScaler with the same options and state");
+        },
+        "GradScaler's first step");
+    agreed_ = true;
+  }
   auto any = (found.defined() ? found.reshape({1}) : torch::zeros({1}, torch::kFloat64)).to(group_.device());
-  quick_stream(group_)->allreduce_sum(any);
+  quick_stream(group_)->allreduce_sum(any, "GradScaler's vote on skipping the step");
   found_inf_ = any.cpu().item<double>() > 0;
   if (found_inf_) {
     ++skipped_;
@@ -95,9 +109,9 @@ torch::Tensor GradScaler::state() const {
 }
 
 void GradScaler::load_state(const torch::Tensor& state) {
-  TORCH_CHECK(state.numel() == 2 && state.scalar_type() == torch::kFloat64, "GradScaler: not a scaler's state");
+  MNIST_DDP_REQUIRE(state.numel() == 2 && state.scalar_type() == torch::kFloat64, "GradScaler: not a scaler's state");
   const auto s = state.cpu();
-  TORCH_CHECK(s[0].item<double>() > 0, "GradScaler: a scale of ", s[0].item<double>());
+  MNIST_DDP_REQUIRE(s[0].item<double>() > 0, "GradScaler: a scale of ", s[0].item<double>());
   scale_ = s[0].item<double>();
   growth_tracker_ = static_cast<int64_t>(s[1].item<double>());
 }

@@ -6,8 +6,10 @@
 #include <functional>
 #include <tuple>
 #include <limits>
+#include <sstream>
 
 #include "parallel/exact_math.hpp"
+#include "base/require.hpp"
 #include "parallel/wires.hpp"
 
 namespace mnist_ddp::hooks {
@@ -38,7 +40,7 @@ torch::Tensor& on_device(std::map<size_t, torch::Tensor>& memory, size_t key, co
 torch::Tensor& carried_error(PowerSgdState& state, size_t bucket, const torch::Tensor& like) {
   auto it = state.error.find(bucket);
   if (it == state.error.end()) return state.error[bucket] = torch::zeros_like(like);
-  TORCH_CHECK(it->second.numel() == like.numel(), "PowerSGD: the saved error of bucket ", bucket, " has ",
+  MNIST_DDP_REQUIRE(it->second.numel() == like.numel(), "PowerSGD: the saved error of bucket ", bucket, " has ",
               it->second.numel(), " elements, the bucket ", like.numel(), " (a different model or bucket layout?)");
   return on_device(state.error, bucket, like.device());
 }
@@ -59,7 +61,7 @@ torch::Tensor future_tensor(const FuturePtr& future) {
   const c10::IValue& value = future->value();  // rethrows the future's error
   if (value.isTensor()) return value.toTensor();
   if (value.isTensorList() && value.toTensorList().size() == 1) return value.toTensorList().get(0);
-  TORCH_CHECK(false, "a communication hook's future must hold one tensor, got ", value.tagKind());
+  throw UsageError(c10::str("a communication hook's future must hold one tensor, got ", value.tagKind()));
 }
 
 FuturePtr Wire::allreduce_mean(torch::Tensor tensor) {
@@ -127,13 +129,17 @@ FuturePtr CastWire::broadcast(torch::Tensor tensor, int root) {
 FuturePtr AllreduceHook::run(GradBucket& bucket, Wire& wire) { return wire.allreduce_mean(bucket.buffer); }
 
 CompressWrapper::CompressWrapper(CommHookPtr inner, c10::ScalarType type) : inner_(std::move(inner)), type_(type) {
-  TORCH_CHECK(inner_, "a compression wrapper needs a hook to wrap");
-  TORCH_CHECK(type == torch::kHalf || type == torch::kBFloat16, "a compression wrapper sends float16 or bfloat16");
+  MNIST_DDP_REQUIRE(inner_, "a compression wrapper needs a hook to wrap");
+  MNIST_DDP_REQUIRE(type == torch::kHalf || type == torch::kBFloat16, "a compression wrapper sends float16 or bfloat16");
 }
 
 std::string CompressWrapper::name() const {
   const std::string suffix = type_ == torch::kHalf ? "fp16" : "bf16";
   return inner_->name() == "none" ? suffix : inner_->name() + "_" + suffix;
+}
+
+std::string CompressWrapper::describe() const {
+  return (type_ == torch::kHalf ? "float16" : "bfloat16") + std::string(" on the wire, over ") + inner_->describe();
 }
 
 FuturePtr CompressWrapper::run(GradBucket& bucket, Wire& wire) {
@@ -171,7 +177,7 @@ torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& arc
 torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, CommHook& hook) {
   c10::IValue name, shared, own;
   archive.read("hook", name);
-  TORCH_CHECK(name.isString() && name.toStringRef() == hook.name(), "the saved hook state is ",
+  MNIST_DDP_REQUIRE(name.isString() && name.toStringRef() == hook.name(), "the saved hook state is ",
               name.isString() ? name.toStringRef() : std::string("not a hook's"), "'s, this hook is ", hook.name());
   archive.read("shared", shared);
   archive.read("own", own);
@@ -206,6 +212,16 @@ FuturePtr PowerSgdBase::run(GradBucket& bucket, Wire& wire) {
 
 bool PowerSgdBase::compression_started() const { return state_.iter >= options_.start_powersgd_iter(); }
 
+std::string PowerSgdBase::describe() const {
+  const PowerSgdOptions& o = options_;
+  std::ostringstream s;
+  s << name() << " (matrix_approximation_rank " << o.matrix_approximation_rank() << ", start_powersgd_iter "
+    << o.start_powersgd_iter() << ", min_compression_rate " << o.min_compression_rate() << ", use_error_feedback "
+    << o.use_error_feedback() << ", warm_start " << o.warm_start() << ", orthogonalization_epsilon "
+    << o.orthogonalization_epsilon() << ", random_seed " << o.random_seed() << ")";
+  return s.str();
+}
+
 uint64_t PowerSgdBase::next_seed() { return splitmix64(options_.random_seed() + state_.draws++); }
 
 namespace {
@@ -216,7 +232,7 @@ void by_bucket(const std::map<std::string, torch::Tensor>& from, const std::stri
   for (const auto& [key, t] : from) {
     if (key.compare(0, what.size() + 1, what + "/") != 0) continue;
     const std::string digits = key.substr(what.size() + 1);
-    TORCH_CHECK(!digits.empty() && digits.size() < 10 &&
+    MNIST_DDP_REQUIRE(!digits.empty() && digits.size() < 10 &&
                     std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c); }),
                 "PowerSGD state: '", key, "' names no bucket");
     to[static_cast<size_t>(std::stoul(digits))] = t.detach().clone();
@@ -237,12 +253,12 @@ HookState PowerSgdBase::state() const {
 
 void PowerSgdBase::load_state(const HookState& s) {
   for (const char* key : {"iter", "draws"})
-    TORCH_CHECK(s.shared.count(key) && s.shared.at(key).numel() == 1, "PowerSGD state: no '", key,
+    MNIST_DDP_REQUIRE(s.shared.count(key) && s.shared.at(key).numel() == 1, "PowerSGD state: no '", key,
                 "' (the state of another hook?)");
   for (const auto& [key, t] : s.shared)
-    TORCH_CHECK(key == "iter" || key == "draws" || key.rfind("p/", 0) == 0 || key.rfind("q/", 0) == 0,
+    MNIST_DDP_REQUIRE(key == "iter" || key == "draws" || key.rfind("p/", 0) == 0 || key.rfind("q/", 0) == 0,
                 "PowerSGD state: '", key, "' is not PowerSGD's");
-  for (const auto& [key, t] : s.own) TORCH_CHECK(key.rfind("error/", 0) == 0, "PowerSGD state: '", key, "' is not PowerSGD's");
+  for (const auto& [key, t] : s.own) MNIST_DDP_REQUIRE(key.rfind("error/", 0) == 0, "PowerSGD state: '", key, "' is not PowerSGD's");
   PowerSgdState loaded;
   loaded.iter = s.shared.at("iter").item<int64_t>();
   loaded.draws = static_cast<uint64_t>(s.shared.at("draws").item<int64_t>());
@@ -268,7 +284,7 @@ std::pair<torch::Tensor, torch::Tensor> memories(PowerSgdState& st, bool warm_st
   // A loaded memory may be shaped as the matrix it holds: the elements count.
   torch::Tensor& p = on_device(st.p_memory, b, options.device());
   torch::Tensor& q = on_device(st.q_memory, b, options.device());
-  TORCH_CHECK(p.numel() == p_size && q.numel() == q_size, "PowerSGD: the saved P/Q of bucket ", b,
+  MNIST_DDP_REQUIRE(p.numel() == p_size && q.numel() == q_size, "PowerSGD: the saved P/Q of bucket ", b,
               " do not fit its gradients");
   p = p.reshape({p_size});
   q = q.reshape({q_size});

@@ -9,6 +9,7 @@
 
 #include "mnist_ddp/base/errors.hpp"
 #include "mnist_ddp/parallel/sync_batch_norm.hpp"
+#include "parallel/norm.hpp"
 
 namespace mnist_ddp {
 namespace {
@@ -44,20 +45,22 @@ struct Found {
 };
 
 void find_batch_norms(torch::nn::Module& module, const std::string& prefix, std::map<torch::nn::Module*, Found>& found,
-                      std::set<torch::nn::Module*>& visited) {
+                      std::set<torch::nn::Module*>& visited, std::vector<std::string>& unreachable) {
   if (!visited.insert(&module).second) return;
   const bool list = dynamic_cast<torch::nn::ModuleListImpl*>(&module) || dynamic_cast<torch::nn::ModuleDictImpl*>(&module);
   for (const auto& child : module.named_children()) {
     const std::string path = prefix + child.key();
     const int64_t features = batch_norm_features(*child.value());
     if (features < 0) {
-      find_batch_norms(*child.value(), path + ".", found, visited);
+      find_batch_norms(*child.value(), path + ".", found, visited, unreachable);
       continue;
     }
-    if (list)
-      throw UsageError("convert_sync_batchnorm: " + path + " is a " + kind_of(*child.value()) + " in a " + kind_of(module) +
-                       ", which the forward casts back to its type, so a SyncBatchNorm cannot take its place: "
-                       "declare mnist_ddp::SyncBatchNorm(" + std::to_string(features) + ") there instead");
+    if (list) {
+      unreachable.push_back(path + " (a " + kind_of(*child.value()) + " in a " + kind_of(module) +
+                            ", which the forward casts back to its type: declare mnist_ddp::SyncBatchNorm(" +
+                            std::to_string(features) + ") there instead)");
+      continue;
+    }
     Found& f = found[child.value().get()];
     if (!f.layer) {
       f.layer = child.value();
@@ -75,9 +78,10 @@ void find_batch_norms(torch::nn::Module& module, const std::string& prefix, std:
 
 void convert_sync_batchnorm(torch::nn::Module& module, const std::optional<ProcessGroup>& group) {
   std::map<torch::nn::Module*, Found> found;
+  std::vector<std::string> unreachable;
   {
     std::set<torch::nn::Module*> visited;
-    find_batch_norms(module, "", found, visited);
+    find_batch_norms(module, "", found, visited, unreachable);
   }
   // Every reference is now one of the tree's, or `found`'s own: any other
   // is a holder the forward may call that no conversion can re-point.
@@ -85,16 +89,23 @@ void convert_sync_batchnorm(torch::nn::Module& module, const std::optional<Proce
     if (f.layer.use_count() <= f.known + 1) continue;
     const std::string name = f.parents.front().second;
     const int64_t features = batch_norm_features(*f.layer);
-    throw UsageError("convert_sync_batchnorm: " + f.path + " (a " + kind_of(*f.layer) +
-                     ") is also held outside the module tree, by a member such as `torch::nn::BatchNorm2d " + name +
-                     "` that the forward calls directly and a conversion cannot re-point: declare it as "
-                     "mnist_ddp::SyncBatchNorm (" + name + " = register_module(\"" + name +
-                     "\", mnist_ddp::SyncBatchNorm(" + std::to_string(features) +
-                     "))), or call it through named_children() or a Sequential");
+    unreachable.push_back(f.path + " (a " + kind_of(*f.layer) + " also held by a member such as `torch::nn::BatchNorm2d " +
+                          name + "` that the forward calls directly and a conversion cannot re-point: declare it as "
+                          "mnist_ddp::SyncBatchNorm (" + name + " = register_module(\"" + name +
+                          "\", mnist_ddp::SyncBatchNorm(" + std::to_string(features) +
+                          "))), or call it through named_children() or a Sequential)");
+  }
+  if (!unreachable.empty()) {
+    std::string all;
+    for (const auto& u : unreachable) all += (all.empty() ? "" : "; ") + u;
+    throw UsageError("convert_sync_batchnorm: " + std::to_string(unreachable.size()) + " layer" +
+                     (unreachable.size() > 1 ? "s" : "") + " where a SyncBatchNorm cannot take the place the forward " +
+                     "finds, so nothing was changed: " + all);
   }
   for (auto& [raw, f] : found) {
     auto sync = sync_of(f.layer);
     if (group) sync->set_process_group(*group);
+    SyncBatchNormAccess::name(*sync) = f.path;
     for (auto& [parent, name] : f.parents) {
       parent->replace_module(name, sync);
       if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(parent))

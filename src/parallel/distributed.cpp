@@ -1,13 +1,17 @@
-// DistributedDataParallel's public face, the bucket assignment and the
-// replica check; the Reducer's machinery is in reducer.cpp.
+// DistributedDataParallel's public face, the bucket assignment, what ranks
+// compare at the start, the replica check and join(); the Reducer's
+// machinery is in reducer.cpp.
 #include "parallel/reducer.hpp"
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <sstream>
 
 #include "mnist_ddp/base/errors.hpp"
+#include "mnist_ddp/parallel/sync_batch_norm.hpp"
+#include "comm/group.hpp"
 
 namespace mnist_ddp {
 
@@ -79,11 +83,11 @@ void Reducer::check_replicas(const std::string& when) {
   // Hashes travel as two halves in float64, which holds 32 bits exactly.
   auto halves = [](uint64_t h) { return std::vector<double>{static_cast<double>(h >> 32), static_cast<double>(h & 0xffffffffu)}; };
   auto rank0_hash = torch::tensor(halves(hash), torch::kFloat64).to(device);
-  stream_->broadcast(rank0_hash, 0);
+  stream_->broadcast(rank0_hash, 0, "the replica check");
   const auto theirs_hash = rank0_hash.cpu();
   const bool same = theirs_hash[0].item<double>() == halves(hash)[0] && theirs_hash[1].item<double>() == halves(hash)[1];
   auto differing = torch::tensor({same ? 0.0 : 1.0}, torch::kFloat64).to(device);
-  stream_->allreduce_sum(differing);
+  stream_->allreduce_sum(differing, "the replica check");
   if (differing.cpu().item<double>() == 0) return;
 
   // Rank 0's state on every rank; each rank's largest difference on rank 0.
@@ -91,7 +95,7 @@ void Reducer::check_replicas(const std::string& when) {
   for (const auto& t : tensors) flat_parts.push_back(t.reshape(-1).to(torch::kFloat64));
   const auto mine = torch::cat(flat_parts);
   auto rank0 = mine.to(device, /*non_blocking=*/false, /*copy=*/true);  // overwritten by rank 0's
-  stream_->broadcast(rank0, 0);
+  stream_->broadcast(rank0, 0, "the replica check");
   const auto theirs = rank0.cpu();
   double largest = 0, where = -1;  // the largest difference, and in which tensor
   for (size_t i = 0, at = 0; i < tensors.size(); at += tensors[i].numel(), ++i) {
@@ -103,7 +107,7 @@ void Reducer::check_replicas(const std::string& when) {
       where = static_cast<double>(i);
     }
   }
-  const auto reports = stream_->gather_to_rank0(torch::tensor({largest, where}, torch::kFloat64));
+  const auto reports = stream_->gather_to_rank0(torch::tensor({largest, where}, torch::kFloat64), "the replica check");
   if (stream_->rank() != 0) throw PeerLost("rank 0 found the replicas diverged " + when);
   std::string message = "the replicas diverged " + when + ":";
   for (size_t r = 1; r < reports.size(); ++r) {
@@ -115,7 +119,84 @@ void Reducer::check_replicas(const std::string& when) {
                names[static_cast<size_t>(index)] + ");";
   }
   message.back() = ' ';
-  throw Error(message + "- replicas must stay bit-identical: a bug in mnist_ddp, please report it");
+  throw Error(message + "- something changed some ranks' parameters and not the others' (an optimizer step, a "
+                        "load or an edit on some ranks only); if nothing did, it is a bug in mnist_ddp: please "
+                        "report it");
+}
+
+std::vector<std::pair<std::string, std::string>> Reducer::description() const {
+  std::vector<std::pair<std::string, std::string>> items;
+  auto shape = [](const torch::Tensor& t) {
+    std::ostringstream s;
+    s << t.sizes() << " " << dtype_name(t.scalar_type());
+    return s.str();
+  };
+  for (const auto& [name, t] : distinct_named(module_->named_parameters()))
+    items.emplace_back(name.substr(7), shape(t) + (t.requires_grad() ? "" : ", frozen"));
+  for (const auto& [name, t] : distinct_named(module_->named_buffers())) items.emplace_back(name.substr(7), shape(t));
+  for (const auto& item : module_->named_modules()) {
+    const torch::nn::Module& m = *item.value();
+    const char* kind = dynamic_cast<const SyncBatchNormImpl*>(&m)                ? "a SyncBatchNorm"
+                       : dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&m) ? "a BatchNorm1d"
+                       : dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&m) ? "a BatchNorm2d"
+                       : dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&m) ? "a BatchNorm3d"
+                                                                              : nullptr;
+    if (kind) items.emplace_back("layer " + item.key(), kind);
+  }
+  std::ostringstream o;
+  o << "bucket_cap_mb " << options_.bucket_cap_mb() << ", first_bucket_cap_mb " << options_.first_bucket_cap_mb()
+    << ", find_unused_parameters " << options_.find_unused_parameters() << ", broadcast_buffers "
+    << options_.broadcast_buffers();
+  items.emplace_back("DdpOptions", o.str());
+  return items;
+}
+
+// Note on join. A rank whose loop has ended serves, on every stream of the
+// group, whatever the active ranks' checks say they issue, with zeros
+// (collectives.hpp, "Note on the check"), until every rank has joined;
+// each lane names the rank that joined last (the most collectives passed
+// before joining). That rank stepped the most: the others take its
+// parameters, buffers and hook state, so the replicas end identical, as
+// PyTorch's join broadcasts the last rank's model.
+void Reducer::join(const std::function<void()>& loop) {
+  loop();
+  const auto streams = streams_of(group_);
+  std::vector<int> last(streams.size(), 0);
+  std::vector<CollectiveStream::Ticket> tickets;
+  for (size_t i = 0; i < streams.size(); ++i)
+    tickets.push_back(streams[i]->post([&last, i](Channel& c) { last[i] = c.serve_until_all_joined(); },
+                                       "ddp.join(), its data run out"));
+  for (size_t i = 0; i < streams.size(); ++i) streams[i]->wait(tickets[i]);
+  int source = 0;
+  for (size_t i = 0; i < streams.size(); ++i)
+    if (streams[i] == stream_) source = last[i];
+  if (group_.world_size() == 1) return;
+  torch::NoGradGuard no_grad;
+  const std::string issuer = "ddp.join(): the state of rank " + std::to_string(source) + ", which joined last";
+  for (const auto& [name, t] : distinct_named(module_->named_parameters())) {
+    torch::Tensor value = t.detach();
+    stream_->broadcast(value, source, issuer);
+  }
+  for (auto& t : buffers_) stream_->broadcast(t, source, issuer);
+  // The hook's shared state (PowerSGD's step count, P and Q): the last
+  // rank's; each rank's own (its error feedback) stays its own.
+  hooks::HookState state = hook_->state();
+  c10::Dict<std::string, torch::Tensor> shared;
+  for (const auto& [key, t] : state.shared) shared.insert(key, t.detach().cpu());
+  std::vector<char> bytes = group_.rank() == source ? torch::pickle_save(c10::IValue(shared)) : std::vector<char>();
+  auto size = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64).to(stream_->device());
+  stream_->broadcast(size, source, issuer);
+  const int64_t n = size.cpu().item<int64_t>();
+  if (n == 0) return;
+  bytes.resize(static_cast<size_t>(n));
+  auto data = torch::from_blob(bytes.data(), {n}, torch::kUInt8).to(stream_->device(), false, /*copy=*/true);
+  stream_->broadcast(data, source, issuer);
+  const auto cpu = data.cpu();
+  bytes.assign(static_cast<const char*>(cpu.data_ptr()), static_cast<const char*>(cpu.data_ptr()) + n);
+  state.shared.clear();
+  for (const auto& item : torch::pickle_load(bytes).toGenericDict())
+    state.shared[item.key().toStringRef()] = item.value().toTensor();
+  hook_->load_state(state);
 }
 
 // ---- DistributedDataParallelBase: the public face of a Reducer ----
@@ -141,6 +222,7 @@ hooks::CommHook& DistributedDataParallelBase::comm_hook() const { return reducer
 const ProcessGroup& DistributedDataParallelBase::process_group() const { return reducer_->process_group(); }
 const DdpOptions& DistributedDataParallelBase::options() const { return reducer_->options(); }
 void DistributedDataParallelBase::check_replicas(const std::string& when) { reducer_->check_replicas(when); }
+void DistributedDataParallelBase::join(const std::function<void()>& loop) { reducer_->join(loop); }
 hooks::WireStats DistributedDataParallelBase::wire_stats() const { return reducer_->wire(); }
 double DistributedDataParallelBase::communication_wait_seconds() const { return reducer_->communication_wait_seconds(); }
 std::vector<std::string> DistributedDataParallelBase::describe_buckets() const { return reducer_->describe_buckets(); }

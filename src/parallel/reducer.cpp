@@ -15,6 +15,7 @@
 
 #include "mnist_ddp/base/errors.hpp"
 #include "mnist_ddp/parallel/sync_batch_norm.hpp"
+#include "parallel/norm.hpp"
 #include "comm/group.hpp"
 #include "parallel/wires.hpp"
 
@@ -49,8 +50,10 @@ torch::Tensor alias(const torch::Tensor& buffer, int64_t offset, at::IntArrayRef
   return torch::from_blob(data, sizes, [keep = buffer](void*) {}, buffer.options());
 }
 
-// Every rank gets rank 0's `tensors`: one broadcast per dtype.
-void broadcast_from_rank0(CollectiveStream& stream, const std::vector<torch::Tensor>& tensors) {
+// Every rank gets the authority's `tensors` (rank 0's, or while ranks have
+// joined the highest active rank's): one broadcast per dtype.
+void broadcast_from_authority(CollectiveStream& stream, const std::vector<torch::Tensor>& tensors,
+                              const std::string& issuer) {
   if (stream.world_size() == 1 || tensors.empty()) return;
   torch::NoGradGuard no_grad;
   std::map<c10::ScalarType, std::vector<torch::Tensor>> by_type;
@@ -59,7 +62,7 @@ void broadcast_from_rank0(CollectiveStream& stream, const std::vector<torch::Ten
     std::vector<torch::Tensor> flat_parts;
     for (const auto& t : list) flat_parts.push_back(t.reshape(-1));
     auto flat = torch::cat(flat_parts);
-    stream.broadcast(flat, 0);
+    stream.broadcast(flat, kAuthority, issuer);
     int64_t offset = 0;
     for (auto& t : list) {
       t.copy_(flat.slice(0, offset, offset + t.numel()).view_as(t));
@@ -122,19 +125,28 @@ void Reducer::init() {
                        ", the process group's device is " + device.str() + ": call model->to(group.device()) first");
     buffers_.push_back(t);
   }
+  model_ = GroupAccess::state(group_).models;
   stream_ = model_stream(group_);
+
+  // Every rank wraps the same model, with the same options: compared before
+  // anything of a size another rank does not expect is sent.
+  stream_->run([&](Channel& channel) { channel.agree(description(), "DistributedDataParallel", kSameModel); },
+               "DistributedDataParallel's start");
 
   // Every rank starts from rank 0's state: its parameters (frozen ones too)
   // and buffers.
   std::vector<torch::Tensor> state;
   for (const auto& [name, t] : distinct_named(module_->named_parameters())) state.push_back(t);
   for (const auto& t : buffers_) state.push_back(t);
-  broadcast_from_rank0(*stream_, state);
+  broadcast_from_authority(*stream_, state, "DistributedDataParallel's start: rank 0's parameters and buffers");
 
-  // A SyncBatchNorm that names no group takes this model's.
-  for (const auto& m : module_->modules())
-    if (auto* sync = dynamic_cast<SyncBatchNormImpl*>(m.get()); sync && !sync->process_group())
-      sync->set_process_group(group_);
+  // A SyncBatchNorm that names no group takes this model's, and its name in
+  // the model, for what its collectives say of themselves.
+  for (const auto& item : module_->named_modules())
+    if (auto* sync = dynamic_cast<SyncBatchNormImpl*>(item.value().get())) {
+      if (!sync->process_group()) sync->set_process_group(group_);
+      if (SyncBatchNormAccess::name(*sync).empty()) SyncBatchNormAccess::name(*sync) = item.key();
+    }
 
   // Buckets in reverse registration order: roughly the order in which
   // backward produces gradients. One dtype a bucket.
@@ -200,8 +212,15 @@ void Reducer::register_comm_hook(hooks::CommHookPtr hook) {
     throw UsageError("register_comm_hook: this DistributedDataParallel has a hook (" + hook_->name() +
                      "); register one, once, before the first backward");
   std::lock_guard<std::mutex> lock(mutex_);
+  if (backward_seen_)
+    throw UsageError("register_comm_hook: called after the first backward, whose buckets " + hook_->name() +
+                     " averaged; register the hook once, before the first backward, on every rank");
   hook_ = std::move(hook);
   hook_registered_ = true;
+}
+
+std::string Reducer::bucket_issuer(size_t b) const {
+  return "DDP bucket " + std::to_string(b) + (model_ > 0 ? " of model " + std::to_string(model_) : "") + "'s backward";
 }
 
 void Reducer::enter_no_sync() { ++no_sync_depth_; }
@@ -209,11 +228,15 @@ void Reducer::leave_no_sync() { --no_sync_depth_; }
 
 void Reducer::prepare_forward() {
   const bool grad = torch::GradMode::is_enabled();
-  if (options_.broadcast_buffers() && sync_buffers_next_) broadcast_from_rank0(*stream_, buffers_);
+  if (options_.broadcast_buffers() && sync_buffers_next_)
+    broadcast_from_authority(*stream_, buffers_,
+                             "DistributedDataParallel's buffers before a forward" +
+                                 (model_ > 0 ? " of model " + std::to_string(model_) : std::string()));
   sync_buffers_next_ = grad && no_sync_depth_ == 0;
   std::lock_guard<std::mutex> lock(mutex_);
   if (!grad) return;
-  TORCH_CHECK(!in_backward_, "DistributedDataParallel: forward called while a backward is still running");
+  if (in_backward_) throw UsageError("DistributedDataParallel: forward called while a backward is still running");
+  forwarded_ = true;
   sync_next_backward_ = no_sync_depth_ == 0;
   // Gradients accumulate into the bucket views from the first backward on.
   for (size_t p = 0; p < params_.size(); ++p) {
@@ -257,7 +280,9 @@ void Reducer::mark_ready(size_t p) {
   used_[p] = true;
   if (!in_backward_) {
     in_backward_ = true;
-    averaging_ = sync_next_backward_;
+    backward_seen_ = true;
+    bypassed_ = !forwarded_;  // no ddp.forward since the last backward: model->forward's
+    averaging_ = sync_next_backward_ && !bypassed_;
     if (averaging_) {
       pending_.assign(bucket_sizes_.begin(), bucket_sizes_.end());
       ready_.assign(params_.size(), false);
@@ -269,7 +294,10 @@ void Reducer::mark_ready(size_t p) {
     });
   }
   if (!averaging_) return;
-  TORCH_CHECK(!ready_[p], "DistributedDataParallel: parameter ", param_names_[p], " became ready twice in one backward");
+  if (ready_[p])
+    throw UsageError("DistributedDataParallel: parameter " + param_names_[p].substr(7) +
+                     " received two gradients in one backward (a graph that reaches it twice through "
+                     "DistributedDataParallel's hooks)");
   ready_[p] = true;
   --pending_[bucket_of_[p]];
   post_ready_buckets();
@@ -278,7 +306,7 @@ void Reducer::mark_ready(size_t p) {
 void Reducer::post_ready_buckets() {
   for (; next_bucket_ < buckets_.size() && pending_[next_bucket_] == 0; ++next_bucket_) {
     const size_t b = next_bucket_;
-    posted_.push_back(stream_->post([this, b](Channel& channel) { communicate(b, channel); }));
+    posted_.push_back(stream_->post([this, b](Channel& channel) { communicate(b, channel); }, bucket_issuer(b)));
   }
 }
 
@@ -299,6 +327,11 @@ void Reducer::finalize_backward() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     in_backward_ = false;
+    forwarded_ = false;
+    if (bypassed_)
+      throw UsageError("backward through model->forward: gradients were not averaged; call ddp.forward (a backward "
+                       "reached the parameters of a DistributedDataParallel without a ddp.forward since the last "
+                       "backward)");
     if (!averaging_) return;
     for (size_t p = 0; p < params_.size(); ++p) {
       if (ready_[p]) continue;
@@ -311,11 +344,13 @@ void Reducer::finalize_backward() {
     if (options_.find_unused_parameters()) {
       auto mine = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kFloat32);
       for (size_t p = 0; p < params_.size(); ++p) mine[static_cast<int64_t>(p)] = used_[p] ? 1.0f : 0.0f;
-      posted_.push_back(stream_->post([mine, used_by](Channel& channel) {
-        torch::Tensor sum = mine.to(channel.staging());
-        channel.allreduce_sum(sum)->waitAndThrow();
-        *used_by = sum.cpu();
-      }));
+      posted_.push_back(stream_->post(
+          [mine, used_by](Channel& channel) {
+            torch::Tensor sum = mine.to(channel.staging());
+            channel.allreduce_sum(sum)->waitAndThrow();
+            *used_by = sum.cpu();
+          },
+          "DistributedDataParallel's count of the ranks that used each parameter"));
     }
     posted.swap(posted_);
   }
@@ -354,6 +389,11 @@ void Reducer::finalize_backward() {
 }
 
 void Reducer::communicate(size_t b, Channel& channel) {
+  if (b == 0 && !hook_agreed_) {  // every rank's first bucket of its first averaging backward
+    channel.agree({{"hook", hook_->describe()}}, "register_comm_hook",
+                  "every rank must register the same communication hook, with the same options");
+    hook_agreed_ = true;
+  }
   hooks::GradBucket& bucket = buckets_[b];
   hooks::GroupWire wire(channel, wire_stats_);
   FuturePtr result = hook_->run(bucket, wire);

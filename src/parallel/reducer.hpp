@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -46,6 +47,9 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<int
 std::vector<std::pair<std::string, torch::Tensor>> distinct_named(
     const torch::OrderedDict<std::string, torch::Tensor>& named);
 
+// What DistributedDataParallel's construction says when ranks' models differ.
+constexpr const char* kSameModel = "every rank must build the same model, with the same DdpOptions";
+
 namespace detail {
 
 class Reducer : public std::enable_shared_from_this<Reducer> {
@@ -72,6 +76,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   double communication_wait_seconds() const { return wait_seconds_; }
   std::vector<std::string> describe_buckets() const;
   void check_replicas(const std::string& when);
+  void join(const std::function<void()>& loop);
+  // What every rank's DDP must share: parameters, buffers, norm layers, options.
+  std::vector<std::pair<std::string, std::string>> description() const;
 
  private:
   Reducer(std::shared_ptr<torch::nn::Module> module, ProcessGroup group, DdpOptions options);
@@ -81,13 +88,16 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void finalize_backward();
   void post_ready_buckets();  // with mutex_ held
   void communicate(size_t bucket, Channel& channel);  // a task on the stream
+  std::string bucket_issuer(size_t bucket) const;     // "DDP bucket 0's backward"
 
   std::shared_ptr<torch::nn::Module> module_;
   ProcessGroup group_;
   DdpOptions options_;
   std::shared_ptr<CollectiveStream> stream_;
+  int model_ = 0;  // the group's first DDP, or a later one (its buckets take a stream of their own)
   hooks::CommHookPtr hook_;
   bool hook_registered_ = false;
+  bool hook_agreed_ = false;  // compared across ranks, at the first averaging backward (on the stream's thread)
   hooks::WireStats wire_stats_;  // written by the stream's tasks
   std::vector<torch::Tensor> params_;      // registration order, without duplicates or frozen ones
   std::vector<std::string> param_names_;   // "module.fc.weight"
@@ -108,6 +118,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   // threads of its own).
   std::mutex mutex_;
   bool sync_next_backward_ = false;  // the last forward asks for averaging
+  bool forwarded_ = false;           // a ddp.forward with gradients since the last backward
+  bool backward_seen_ = false;       // a backward has begun: too late for register_comm_hook
+  bool bypassed_ = false;            // this backward follows no ddp.forward
   bool in_backward_ = false;
   bool averaging_ = false;           // this backward averages
   std::vector<int> pending_;         // bucket -> gradients not yet ready

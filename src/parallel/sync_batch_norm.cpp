@@ -1,7 +1,7 @@
 #include "mnist_ddp/parallel/sync_batch_norm.hpp"
 
 #include <torch/torch.h>
-#include "parallel/batch_norm_relu.hpp"
+#include "parallel/norm.hpp"
 
 #include <ATen/Parallel.h>
 
@@ -61,16 +61,17 @@ LocalStats local_stats(const torch::Tensor& x) {
 // cancellation, even for inputs whose mean dwarfs their spread. Statistics
 // are constants to autograd (the backward functions account for them), so
 // nothing here is recorded.
-GlobalStats global_stats(const LocalStats& local, c10::ScalarType type, CollectiveStream& stream, double eps) {
+GlobalStats global_stats(const LocalStats& local, c10::ScalarType type, CollectiveStream& stream, double eps,
+                         const std::string& issuer) {
   torch::NoGradGuard no_grad;
   const int64_t c = local.mean.size(0);
   auto stats = torch::zeros({2 * c + 1}, local.mean.options());
   stats.slice(0, 0, c).copy_(local.mean * local.count);
   stats.slice(0, c, 2 * c).copy_(local.m2 + local.mean * local.mean * local.count);
   stats[2 * c].fill_(local.count);
-  stream.allreduce_sum(stats);
+  stream.allreduce_sum(stats, issuer);
   const double count = stats[2 * c].item<double>();
-  TORCH_CHECK(count > 0, "SyncBatchNorm: the batch is empty on every rank");
+  if (!(count > 0)) throw UsageError(issuer + ": the batch is empty on every rank");
   // Divided by the count as a tensor: CUDA turns a division by a host scalar
   // into a multiplication by its reciprocal, which the CPU does not.
   const auto counts = stats.slice(0, 2 * c, 2 * c + 1);
@@ -137,9 +138,16 @@ void for_each_plane(const torch::Tensor& x, F f) {
 // Carries the stream through autograd's saved data, which holds
 // intrusive pointers only.
 struct StreamHolder : torch::CustomClassHolder {
-  explicit StreamHolder(std::shared_ptr<CollectiveStream> c) : stream(std::move(c)) {}
+  StreamHolder(std::shared_ptr<CollectiveStream> c, std::string i) : stream(std::move(c)), issuer(std::move(i)) {}
   std::shared_ptr<CollectiveStream> stream;
+  std::string issuer;  // "SyncBatchNorm bn1's backward"
 };
+
+// Who a layer's collectives say issues them.
+std::string layer_issuer(SyncBatchNormImpl& bn, const char* pass) {
+  const std::string& name = SyncBatchNormAccess::name(bn);
+  return "SyncBatchNorm " + (name.empty() ? std::string("(a layer no DDP wraps)") : name) + "'s " + pass;
+}
 
 // Normalises with given global statistics; backward completes the chain
 // rule through those statistics with one more allreduce.
@@ -147,13 +155,14 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& input, const torch::Tensor& weight,
                                const torch::Tensor& bias, const torch::Tensor& mean, const torch::Tensor& invstd,
-                               double count, std::shared_ptr<CollectiveStream> stream) {
+                               double count, std::shared_ptr<CollectiveStream> stream, std::string issuer) {
     // Separate mul and add: on CPU a broadcast addcmul is several times slower.
     const auto x_hat = input.sub(per_channel(mean, input)).mul_(per_channel(invstd, input));
     const auto y = x_hat.mul(per_channel(weight, input)).add_(per_channel(bias, input));
     ctx->save_for_backward({x_hat, weight, invstd});
     ctx->saved_data["count"] = count;
-    ctx->saved_data["stream"] = c10::IValue::make_capsule(c10::make_intrusive<StreamHolder>(std::move(stream)));
+    ctx->saved_data["stream"] =
+        c10::IValue::make_capsule(c10::make_intrusive<StreamHolder>(std::move(stream), std::move(issuer)));
     return y;
   }
 
@@ -171,7 +180,7 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
     const auto sum_dy = dy.sum(dims);
     const auto sum_dy_xhat = (dy * x_hat).sum(dims);
     auto sums = torch::cat({sum_dy, sum_dy_xhat}).to(torch::kFloat64);
-    holder->stream->allreduce_sum(sums);
+    holder->stream->allreduce_sum(sums, holder->issuer);
     const auto mean_dy = (sums.slice(0, 0, c) / count).to(dy.scalar_type());
     const auto mean_dy_xhat = (sums.slice(0, c, 2 * c) / count).to(dy.scalar_type());
 
@@ -181,7 +190,8 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
                         .add_(x_hat.mul(per_channel(-a * mean_dy_xhat, dy)))
                         .add_(per_channel(-a * mean_dy, dy));
     // This rank's sums over its own batch; DDP averages them over ranks.
-    return {dx, sum_dy_xhat, sum_dy, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {dx, sum_dy_xhat, sum_dy, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
   }
 };
 
@@ -192,7 +202,7 @@ class SyncBatchNormReluFunction : public torch::autograd::Function<SyncBatchNorm
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& input, const torch::Tensor& weight,
                                const torch::Tensor& bias, const torch::Tensor& mean, const torch::Tensor& invstd,
-                               double count, std::shared_ptr<CollectiveStream> stream) {
+                               double count, std::shared_ptr<CollectiveStream> stream, std::string issuer) {
     auto y = torch::empty_like(input);
     const auto w = weight.contiguous(), b = bias.contiguous();
     const float *in = input.data_ptr<float>(), *mu = mean.data_ptr<float>(), *is = invstd.data_ptr<float>(),
@@ -204,7 +214,8 @@ class SyncBatchNormReluFunction : public torch::autograd::Function<SyncBatchNorm
     });
     ctx->save_for_backward({input, y, weight, mean, invstd});
     ctx->saved_data["count"] = count;
-    ctx->saved_data["stream"] = c10::IValue::make_capsule(c10::make_intrusive<StreamHolder>(std::move(stream)));
+    ctx->saved_data["stream"] =
+        c10::IValue::make_capsule(c10::make_intrusive<StreamHolder>(std::move(stream), std::move(issuer)));
     return y;
   }
 
@@ -252,7 +263,7 @@ class SyncBatchNormReluFunction : public torch::autograd::Function<SyncBatchNorm
       }
     });
     const auto local = sums.to(torch::kFloat);  // this rank's bias and weight gradients; DDP averages them
-    holder->stream->allreduce_sum(sums);
+    holder->stream->allreduce_sum(sums, holder->issuer);
     const auto mean_dz = (sums.slice(0, 0, c) / count).to(torch::kFloat);
     const auto mean_dzx = (sums.slice(0, c, 2 * c) / count).to(torch::kFloat);
 
@@ -270,7 +281,7 @@ class SyncBatchNormReluFunction : public torch::autograd::Function<SyncBatchNorm
       }
     });
     return {dx, local.slice(0, c, 2 * c), local.slice(0, 0, c), torch::Tensor(), torch::Tensor(), torch::Tensor(),
-            torch::Tensor()};
+            torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -294,7 +305,9 @@ std::pair<torch::Tensor, torch::Tensor> affine_of(const SyncBatchNormImpl& bn, c
 torch::Tensor train_synced(SyncBatchNormImpl& bn, std::shared_ptr<CollectiveStream> stream, const torch::Tensor& input,
                            const LocalStats& local, bool relu) {
   const double factor = count_batch(bn);
-  const GlobalStats stats = global_stats(local, input.scalar_type(), *stream, bn.options.eps());
+  const GlobalStats stats =
+      global_stats(local, input.scalar_type(), *stream, bn.options.eps(),
+                   layer_issuer(bn, torch::GradMode::is_enabled() ? "forward" : "forward without autograd"));
   if (bn.options.track_running_stats()) {
     // Separate multiplies and adds, no fused forms: exact (see the header).
     torch::NoGradGuard no_grad;
@@ -303,9 +316,12 @@ torch::Tensor train_synced(SyncBatchNormImpl& bn, std::shared_ptr<CollectiveStre
     bn.running_var.mul_(1 - factor).add_((stats.var * unbiased).to(bn.running_var.scalar_type()).mul(factor));
   }
   const auto [weight, bias] = affine_of(bn, input);
+  std::string backward = layer_issuer(bn, "backward");
   if (relu)
-    return SyncBatchNormReluFunction::apply(input, weight, bias, stats.mean, stats.invstd, stats.count, std::move(stream));
-  return SyncBatchNormFunction::apply(input, weight, bias, stats.mean, stats.invstd, stats.count, std::move(stream));
+    return SyncBatchNormReluFunction::apply(input, weight, bias, stats.mean, stats.invstd, stats.count, std::move(stream),
+                                            std::move(backward));
+  return SyncBatchNormFunction::apply(input, weight, bias, stats.mean, stats.invstd, stats.count, std::move(stream),
+                                      std::move(backward));
 }
 
 }  // namespace
@@ -382,7 +398,7 @@ torch::Tensor batch_norm_relu(torch::nn::Module& layer, const torch::Tensor& inp
   if (auto* bn = dynamic_cast<torch::nn::BatchNorm1dImpl*>(&layer)) return torch::relu(bn->forward(input));
   if (auto* bn = dynamic_cast<torch::nn::BatchNorm2dImpl*>(&layer)) return torch::relu(bn->forward(input));
   if (auto* bn = dynamic_cast<torch::nn::BatchNorm3dImpl*>(&layer)) return torch::relu(bn->forward(input));
-  TORCH_CHECK(false, "batch_norm_relu: ", layer.name(), " is neither a BatchNorm nor a SyncBatchNorm");
+  throw UsageError("batch_norm_relu: " + layer.name() + " is neither a BatchNorm nor a SyncBatchNorm");
 }
 
 }  // namespace mnist_ddp

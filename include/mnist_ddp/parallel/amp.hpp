@@ -89,6 +89,7 @@ class GradScaler {
   int64_t growth_tracker_ = 0;
   int64_t skipped_ = 0;
   bool found_inf_ = false;  // in the last step()
+  bool agreed_ = false;     // the options compared across ranks (at the first step())
 };
 
 }  // namespace mnist_ddp

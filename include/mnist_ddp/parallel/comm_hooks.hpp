@@ -112,6 +112,9 @@ class CommHook {
   virtual ~CommHook() = default;
   // "none", "fp16", "bf16", "powersgd", "powersgd_fp16", ...
   virtual std::string name() const = 0;
+  // What every rank's hook must share, compared across ranks at the first
+  // backward: its kind and its options. name() unless a hook has options.
+  virtual std::string describe() const { return name(); }
   // Called on the communication thread, once per bucket and backward, in
   // bucket order. May block on its collectives (see the top of this file
   // for what it must not do).
@@ -144,6 +147,7 @@ class CompressWrapper : public CommHook {
  public:
   CompressWrapper(CommHookPtr inner, c10::ScalarType type);
   std::string name() const override;
+  std::string describe() const override;
   FuturePtr run(GradBucket& bucket, Wire& wire) override;
   bool compression_started() const override { return inner_->compression_started(); }
   HookState state() const override { return inner_->state(); }
@@ -194,6 +198,7 @@ struct PowerSgdState {
 class PowerSgdBase : public CommHook {
  public:
   FuturePtr run(GradBucket& bucket, Wire& wire) final;
+  std::string describe() const override;
   bool compression_started() const override;
   HookState state() const override;
   void load_state(const HookState& state) override;

@@ -48,6 +48,7 @@
 #include <torch/nn/pimpl.h>
 #include <torch/arg.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -110,6 +111,21 @@ class DistributedDataParallelBase {
   // ("module." names, as PyTorch's DDP's state_dict has them); on the other
   // ranks a PeerLost. `when` says when, for the message ("after epoch 3").
   void check_replicas(const std::string& when = "now");
+
+  // Uneven inputs, as PyTorch's Join context for DDP: runs `loop` (this
+  // rank's training loop, its ddp.forward()s and backwards). Once it
+  // returns, this rank serves the others' collectives, on every stream of
+  // the group, with zeros, until every rank's loop has returned: a rank
+  // whose data ran out counts as zero gradients in the others' averages
+  // (divided by the world size, as PyTorch's divide_by_initial_world_size),
+  // their buffer broadcasts come from the highest rank still active once
+  // rank 0 has joined, and their SyncBatchNorm statistics are served, the
+  // joined ranks contributing nothing. Then every rank takes the parameters,
+  // buffers and the hook's shared state of the rank that joined last, so
+  // the replicas end identical. Collective: every rank calls join() around
+  // its loop. A GradScaler's scale on a rank that joined early stays where
+  // it was.
+  void join(const std::function<void()>& loop);
 
   // What the hook has put on the wire so far.
   hooks::WireStats wire_stats() const;

@@ -34,6 +34,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "mnist_ddp/comm/process_group.hpp"
 
@@ -70,8 +71,10 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   torch::Tensor running_mean, running_var, num_batches_tracked;  // buffers (undefined unless tracked)
 
  private:
+  friend struct SyncBatchNormAccess;  // the library's own view (not installed)
   void register_state();
   std::optional<ProcessGroup> group_;
+  std::string name_;  // in its model, for what its collectives say of themselves
 };
 TORCH_MODULE(SyncBatchNorm);
 

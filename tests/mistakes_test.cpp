@@ -1,0 +1,324 @@
+// The mistakes DDP users make, each as a small program of two ranks under
+// our launcher (Gloo, --timeout 10), written against the library's API
+// alone: each must end within seconds (or its timeout plus 5 s where a
+// rank never arrives), name its cause on every rank in the library's words
+// (never a backend's text alone, never a signal), and leave no process
+// behind. The program is this test binary itself, run as
+// `mnist_ddp_tests --gtest_filter=MistakeProgram.Run` with the case in
+// MNIST_DDP_TEST_MISTAKE.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <sstream>
+
+#include "mnist_ddp/ddp.hpp"
+#include "test_util.hpp"
+
+namespace mnist_ddp {
+namespace {
+
+using namespace std::chrono_literals;
+using test::Process;
+using test::read_text;
+using test::TempDir;
+
+// ---- the program ----
+
+// A SyncBatchNorm between two layers; `fail` makes the forward throw after
+// the norm layer's statistics were exchanged.
+struct SmallImpl : torch::nn::Module {
+  explicit SmallImpl(int64_t hidden = 8) {
+    a = register_module("a", torch::nn::Linear(4, hidden));
+    norm = register_module("norm", torch::nn::Sequential(torch::nn::BatchNorm1d(hidden)));
+    b = register_module("b", torch::nn::Linear(hidden, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = norm->forward(a(x));
+    if (fail) throw std::runtime_error("a forward that fails on this rank");
+    return b(torch::relu(h));
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  torch::nn::Sequential norm{nullptr};
+  bool fail = false;
+};
+TORCH_MODULE(Small);
+
+// One line on stderr in one write: the two ranks share the file.
+void write_line(const std::string& line) {
+  const std::string text = line + "\n";
+  if (::write(2, text.data(), text.size()) < 0) std::abort();
+}
+
+void say(const ProcessGroup& group, const std::string& line) {
+  write_line("mistake: rank " + std::to_string(group.rank()) + ": " + line);
+}
+
+// The model every case but three trains, its BatchNorm made synchronous.
+Small small_model(int64_t hidden = 8) {
+  Small model(hidden);
+  convert_sync_batchnorm(model);
+  return model;
+}
+
+// One training step on this rank's batch.
+void step(DistributedDataParallel<Small>& ddp, torch::optim::Optimizer& opt, int rank, int k) {
+  torch::manual_seed(10 * rank + k);
+  const auto x = torch::randn({8, 4}), y = torch::randn({8, 2});
+  opt.zero_grad();
+  torch::mse_loss(ddp.forward(x), y).backward();
+  opt.step();
+}
+
+void run_case(const std::string& name) {
+  auto group = init_process_group();
+  const int rank = group.rank();
+  torch::manual_seed(0);
+  if (name == "models") {  // a hidden layer 512 wide on rank 1, 16 on rank 0
+    Small model = small_model(rank == 1 ? 512 : 16);
+    DistributedDataParallel<Small> ddp(model, group);
+  } else if (name == "hooks") {  // fp16 on rank 0, the default on rank 1
+    Small model = small_model();
+    DistributedDataParallel<Small> ddp(model, group);
+    if (rank == 0) ddp.register_comm_hook(hooks::fp16_compress());
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    for (int k = 0; k < 3; ++k) step(ddp, opt, rank, k);
+  } else if (name == "powersgd-one-rank") {
+    Small model = small_model();
+    DistributedDataParallel<Small> ddp(model, group);
+    if (rank == 1) ddp.register_comm_hook(hooks::powersgd(hooks::PowerSgdOptions().start_powersgd_iter(0)));
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    for (int k = 0; k < 3; ++k) step(ddp, opt, rank, k);
+  } else if (name == "syncbn-one-rank") {  // rank 0 samples in train mode, as if for a checkpoint
+    Small model = small_model();
+    DistributedDataParallel<Small> ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    for (int k = 0; k < 4; ++k) {
+      step(ddp, opt, rank, k);
+      if (k == 1 && rank == 0) {
+        torch::NoGradGuard no_grad;
+        model->forward(torch::randn({4, 4}));
+      }
+    }
+  } else if (name == "uneven") {  // rank 1 runs one step fewer, then checks the replicas
+    Small model = small_model();
+    DistributedDataParallel<Small> ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    for (int k = 0; k < (rank == 1 ? 2 : 3); ++k) step(ddp, opt, rank, k);
+    ddp.check_replicas("after training");
+  } else if (name == "uneven-joined") {  // the same, inside ddp.join(): it works
+    Small model = small_model();
+    DistributedDataParallel<Small> ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    ddp.join([&] {
+      for (int k = 0; k < (rank == 1 ? 2 : 3); ++k) step(ddp, opt, rank, k);
+    });
+    ddp.check_replicas("after training");
+    say(group, "trained and joined, replicas identical");
+  } else if (name == "hook-after-backward") {  // rank 0 registers a hook after the first backward
+    Small model = small_model();
+    DistributedDataParallel<Small> ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    step(ddp, opt, rank, 0);
+    if (rank == 0) ddp.register_comm_hook(hooks::fp16_compress());
+    for (int k = 1; k < 3; ++k) step(ddp, opt, rank, k);
+  } else if (name == "caught-forward") {  // rank 1's forward fails at step 1; it catches that and goes on
+    Small model = small_model();
+    DistributedDataParallel<Small> ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    for (int k = 0; k < 4; ++k) {
+      model->fail = rank == 1 && k == 1;
+      try {
+        step(ddp, opt, rank, k);
+      } catch (const std::runtime_error& e) {
+        if (std::string(e.what()).find("a forward that fails") == std::string::npos) throw;
+      }
+    }
+  } else if (name == "bypass") {  // rank 0 calls model->forward in place of ddp.forward
+    auto model = std::make_shared<torch::nn::LinearImpl>(4, 2);
+    DistributedDataParallel ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    for (int k = 0; k < 2; ++k) {
+      opt.zero_grad();
+      const auto x = torch::randn({8, 4});
+      torch::mse_loss(rank == 0 && k == 1 ? model->forward(x) : ddp.forward(x), torch::zeros({8, 2})).backward();
+      opt.step();
+    }
+    ddp.check_replicas("after the steps");
+  } else if (name == "init-twice") {
+    auto again = init_process_group();
+    if (again.rank() != rank) throw Error("a second init_process_group() gave another group");
+    say(group, "the second call returned the first group");
+    init_process_group(ProcessGroupOptions().backend("nccl"));
+  } else if (name == "bfloat16") {
+    auto model = std::make_shared<torch::nn::LinearImpl>(4, 3);
+    model->to(torch::kBFloat16);
+    DistributedDataParallel ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    for (int k = 0; k < 3; ++k) {
+      opt.zero_grad();
+      ddp.forward(torch::randn({8, 4}).to(torch::kBFloat16)).pow(2).mean().backward();
+      opt.step();
+    }
+    ddp.check_replicas("after training");
+    say(group, "bfloat16 parameters trained, replicas identical");
+  } else if (name == "timeout") {  // the launcher's --timeout, unless the options name one
+    say(group, "timeout " + std::to_string(group.timeout().count()) + " ms");
+  } else {
+    throw UsageError("no mistake called " + name);
+  }
+}
+
+TEST(MistakeProgram, Run) {
+  const char* name = std::getenv("MNIST_DDP_TEST_MISTAKE");
+  if (!name) GTEST_SKIP() << "the program of Mistakes.*, run by them";
+  int code = 0;
+  try {
+    run_case(name);
+  } catch (const Error& e) {
+    write_line(std::string("mistake: caught: ") + e.what());
+    code = 1;
+  }
+  _exit(code);  // after a failed collective the group's threads may still wait on a peer
+}
+
+// ---- the tests ----
+
+struct Ran {
+  int code = -1;
+  double seconds = 0;
+  std::string output;
+};
+
+// The case under `mnist_ddp run --nproc 2 --timeout 10`.
+Ran run_mistake(const std::string& name) {
+  TempDir dir;
+  const std::string self = test::read_symlink("/proc/self/exe");
+  const auto start = std::chrono::steady_clock::now();
+  Process p({"run", "--nproc", "2", "--timeout", "10", "--", self, "--gtest_filter=MistakeProgram.Run", dir.path()},
+            dir / "out.txt", {"MNIST_DDP_TEST_MISTAKE=" + name});
+  const int status = p.wait(60s);
+  Ran ran;
+  ran.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ran.output = read_text(dir / "out.txt");
+  ran.code = status == -1 ? -1 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  EXPECT_TRUE(test::processes_mentioning(dir.path()).empty()) << name << ": a process outlived the launcher";
+  return ran;
+}
+
+size_t count(const std::string& text, const std::string& piece) {
+  size_t n = 0;
+  for (size_t at = text.find(piece); at != std::string::npos; at = text.find(piece, at + 1)) ++n;
+  return n;
+}
+
+// The line each rank's program caught, "" where it caught none.
+std::vector<std::string> caught(const std::string& output) {
+  std::vector<std::string> lines;
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("mistake: caught: ", 0) == 0) lines.push_back(line.substr(17));
+  return lines;
+}
+
+// Both ranks end, within `within` seconds, with the same line holding every
+// piece of `pieces`, in the library's words only.
+void expect_named_on_every_rank(const Ran& ran, const std::vector<std::string>& pieces, const std::string& name,
+                                double within = 10) {
+  EXPECT_EQ(ran.code, 1) << name << "\n" << ran.output;
+  EXPECT_LT(ran.seconds, within) << name << "\n" << ran.output;
+  const auto lines = caught(ran.output);
+  ASSERT_EQ(lines.size(), 2u) << name << ": not on both ranks\n" << ran.output;
+  EXPECT_EQ(lines[0], lines[1]) << name << ": the ranks say different things\n" << ran.output;
+  for (const auto& piece : pieces) EXPECT_NE(lines[0].find(piece), std::string::npos) << name << ": " << piece << "\n" << ran.output;
+  for (const char* backend : {"gloo/", "pair.cc", "terminate called", "Aborted", "signal 6", "Connection reset"})
+    EXPECT_EQ(ran.output.find(backend), std::string::npos) << name << ": " << backend << "\n" << ran.output;
+}
+
+TEST(Mistakes, DifferentModelsAreNamedWhenTheDdpIsBuilt) {
+  expect_named_on_every_rank(run_mistake("models"),
+                             {"DistributedDataParallel: rank 1's a.weight is [512, 4] float32, rank 0's is [16, 4] "
+                              "float32: every rank must build the same model, with the same DdpOptions"},
+                             "models");
+}
+
+TEST(Mistakes, DifferentHooksAreNamedAtTheFirstBackward) {
+  expect_named_on_every_rank(run_mistake("hooks"),
+                             {"register_comm_hook: rank 1's hook is none, rank 0's is float16 on the wire, over none: "
+                              "every rank must register the same communication hook, with the same options"},
+                             "hooks");
+  expect_named_on_every_rank(run_mistake("powersgd-one-rank"),
+                             {"register_comm_hook: rank 1's hook is powersgd (matrix_approximation_rank 1, "
+                              "start_powersgd_iter 0,", "rank 0's is none"},
+                             "powersgd-one-rank");
+}
+
+TEST(Mistakes, ATrainModeSyncBatchNormForwardOnOneRankIsNamed) {
+  expect_named_on_every_rank(run_mistake("syncbn-one-rank"),
+                             {"rank 0 is in SyncBatchNorm norm.0's forward without autograd (allreduce, 17 float64); "
+                              "rank 1 is in ",
+                              ": a train-mode forward through SyncBatchNorm must run on every rank"},
+                             "syncbn-one-rank");
+}
+
+TEST(Mistakes, UnevenInputsAreNamedWithJoinAsTheAdviceAndJoinEndsThemWell) {
+  expect_named_on_every_rank(run_mistake("uneven"),
+                             {"rank 1 is in the replica check (broadcast, 2 float64, from rank 0): the ranks ran "
+                              "different numbers of steps (uneven inputs): give every rank as many batches, or wrap "
+                              "each rank's training loop in ddp.join()"},
+                             "uneven");
+  const Ran joined = run_mistake("uneven-joined");
+  EXPECT_EQ(joined.code, 0) << joined.output;
+  EXPECT_EQ(count(joined.output, "trained and joined, replicas identical"), 2u) << joined.output;
+}
+
+TEST(Mistakes, AHookAfterTheFirstBackwardIsRefused) {
+  const Ran ran = run_mistake("hook-after-backward");
+  EXPECT_EQ(ran.code, 1) << ran.output;
+  EXPECT_LT(ran.seconds, 10) << ran.output;
+  EXPECT_NE(ran.output.find("mistake: caught: register_comm_hook: called after the first backward"), std::string::npos)
+      << ran.output;
+}
+
+TEST(Mistakes, ARankThatCatchesItsOwnForwardFailureIsNamed) {
+  expect_named_on_every_rank(run_mistake("caught-forward"), {"rank 0 is in ", "rank 1 is in "}, "caught-forward");
+}
+
+TEST(Mistakes, ABackwardThroughTheModelsOwnForwardIsNamed) {
+  const Ran ran = run_mistake("bypass");
+  EXPECT_EQ(ran.code, 1) << ran.output;
+  EXPECT_LT(ran.seconds, 10) << ran.output;
+  EXPECT_NE(ran.output.find("mistake: caught: backward through model->forward: gradients were not averaged; call "
+                            "ddp.forward"),
+            std::string::npos)
+      << ran.output;
+  EXPECT_EQ(ran.output.find("a bug in mnist_ddp"), std::string::npos) << ran.output;
+}
+
+TEST(Mistakes, InitProcessGroupTwiceReturnsTheGroupOrRefusesOtherOptions) {
+  const Ran ran = run_mistake("init-twice");
+  EXPECT_EQ(count(ran.output, "the second call returned the first group"), 2u) << ran.output;
+  expect_named_on_every_rank(ran,
+                             {"init_process_group: called a second time, asking for backend nccl (the group's is "
+                              "gloo); a process joins its job once: call it once and pass the group on"},
+                             "init-twice");
+}
+
+TEST(Mistakes, Bfloat16ParametersTrain) {
+  const Ran ran = run_mistake("bfloat16");
+  EXPECT_EQ(ran.code, 0) << ran.output;
+  EXPECT_EQ(count(ran.output, "bfloat16 parameters trained, replicas identical"), 2u) << ran.output;
+}
+
+TEST(Mistakes, TheProgramsGroupTakesTheLaunchersTimeout) {
+  const Ran ran = run_mistake("timeout");
+  EXPECT_EQ(ran.code, 0) << ran.output;
+  EXPECT_EQ(count(ran.output, "timeout 10000 ms"), 2u) << ran.output;
+}
+
+}  // namespace
+}  // namespace mnist_ddp
