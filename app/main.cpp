@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "base/environment.hpp"
+#include "comm/store.hpp"
 #include "app/base/logging.hpp"
 #include "app/base/options.hpp"
 #include "app/base/placement.hpp"
@@ -44,10 +45,10 @@ int main(int argc, char** argv) {
   using namespace mnist_ddp;
   // Before any thread exists (supervisor.hpp): a worker gets its mask back below.
   const sigset_t original_mask = block_launcher_signals();
-  const Environment env = read_environment();
-  quiet_libtorch_logs(env.libtorch_log_level);
   umask(umask(0) | S_IWOTH);  // nothing we create is world-writable, whatever the caller's umask
   try {
+    const Environment env = read_environment();
+    quiet_libtorch_logs(env.libtorch_log_level);
     if (argc > 1 && std::string(argv[1]) == "run") return run(std::vector<std::string>(argv, argv + argc), env, original_mask);
     const std::optional<Options> opts = parse_options(argc, argv, env);
     if (!opts) return 0;  // --help
@@ -69,10 +70,16 @@ int main(int argc, char** argv) {
     const auto lock = preflight(node);
     return run_launcher(node, placement, env, args, original_mask);
   } catch (const UsageError& e) {
+    say_no_more();
     std::cerr << "mnist_ddp: error: " << e.what() << std::endl;
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "mnist_ddp: error: " << e.what() << std::endl;
+    say_no_more();
+    std::cerr << "mnist_ddp: error: " << error_line(e) << std::endl;
+    return 1;
+  } catch (...) {
+    say_no_more();
+    std::cerr << "mnist_ddp: error: a failure of unknown kind" << std::endl;
     return 1;
   }
 }

@@ -16,6 +16,7 @@
 #include "app/base/logging.hpp"
 #include "app/base/placement.hpp"
 #include "mnist_ddp/comm/process_group.hpp"
+#include "comm/collectives.hpp"
 #include "comm/group.hpp"
 #include "comm/runtime.hpp"
 #include "app/train/model.hpp"
@@ -147,6 +148,12 @@ int run_worker(const Options& opts, const Environment& env, const WorkerEnv& lau
   } catch (const UsageError& e) {
     message = e.what();
     code = 2;
+  } catch (const CollectiveFailed& e) {
+    // A backend's failure (collectives.hpp): name who went silent, unless
+    // this rank was being stopped; the peers' heartbeats take seconds.
+    message = e.what();
+    echo = preemption_signal() != 0;
+    if (!echo && group && group->world_size() > 1) message = name_the_lost(*group, opts, message, echo);
   } catch (const PeerLost& e) {
     message = e.what();
     echo = true;
@@ -160,6 +167,7 @@ int run_worker(const Options& opts, const Environment& env, const WorkerEnv& lau
     if (collective && !echo && group && group->world_size() > 1) message = name_the_lost(*group, opts, message, echo);
   }
   show_progress("");
+  say_no_more();
   log_error_to_file(message);
   const int rank = group ? group->rank() : worker.rank;
   const std::string who = rank >= 0 ? "rank " + std::to_string(rank)

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 
 #include "app/train/checkpoint.hpp"
@@ -266,6 +267,107 @@ TEST(Checkpoint, ASaveFollowsNoLinkPlantedInItsDirectory) {
     EXPECT_NE(std::string(e.what()).find("symbolic link"), std::string::npos) << e.what();
   }
   EXPECT_TRUE(files::list_directory(dir / "elsewhere").empty());
+}
+
+std::vector<std::string> listing(const std::string& dir) {
+  std::vector<std::string> names = files::list_directory(dir);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Issue 43: a folder that lost both manifests. The newest pair of files
+// whose contents verify is resumed from, saying so; a run of another
+// lineage saving there deletes none of them; files that carry no manifest
+// of their own (written before training files did) are refused in one
+// line that names them; a first save cut short is told apart.
+TEST(Checkpoint, FilesWithoutAManifestAreRecoveredOrRefusedAndNeverDeleted) {
+  TempDir dir;
+  const std::string ckpt = dir / "checkpoint";
+  for (int64_t step : {101, 102, 103, 104}) {
+    Checkpoint c = sample(step);
+    c.lineage = "0a0a0a0a";
+    save_checkpoint(ckpt, c);
+  }
+  files::remove_file(ckpt + "/manifest");
+  files::remove_file(ckpt + "/manifest.previous");
+  const std::vector<std::string> before = listing(ckpt);
+  EXPECT_EQ(before, (std::vector<std::string>{"model-3-0a0a0a0a.pt", "model-4-0a0a0a0a.pt", "training-3-0a0a0a0a.pt",
+                                              "training-4-0a0a0a0a.pt"}));
+  // The newest pair damaged: the one before it.
+  test::resize_file(ckpt + "/training-4-0a0a0a0a.pt", test::file_size(ckpt + "/training-4-0a0a0a0a.pt") - 7);
+  const CheckpointFiles read = read_checkpoint_files(ckpt);
+  EXPECT_NE(read.fallback.find(ckpt + " has no manifest: resuming from model-3-0a0a0a0a.pt and training-3-0a0a0a0a.pt, "
+                               "the newest pair of its files whose contents verify (step 103)"),
+            std::string::npos)
+      << read.fallback;
+  const Checkpoint recovered = parse_checkpoint(read);
+  expect_same(recovered, sample(103));
+  EXPECT_EQ(recovered.lineage, "") << "a recovered pair's lineage is not taken on";
+  EXPECT_EQ(resume_dir(test::parse({"--path", dir.path(), "--resume", "auto"})), ckpt)
+      << "files to recover are no fresh start";
+
+  // Another lineage saves beside them twice: not one of them goes.
+  for (int64_t step : {1, 2}) {
+    Checkpoint c = sample(step);
+    c.lineage = "0b0b0b0b";
+    save_checkpoint(ckpt, c);
+  }
+  for (const std::string& name : before) EXPECT_TRUE(files::exists(ckpt + "/" + name)) << name << " was deleted";
+
+  // Files of no manifest of their own: refused, naming them and the ways out.
+  const std::string old = dir / "old";
+  files::make_directories(old);
+  const Checkpoint c = sample(7);
+  test::write_file(old + "/model-103.pt", std::string(serialize(c.model).data(), serialize(c.model).size()), false);
+  test::write_file(old + "/training-103.pt", std::string(serialize(c.training).data(), serialize(c.training).size()), false);
+  test::write_file(old + "/model-104.pt", "x", false);
+  EXPECT_EQ(checkpoint_error(old),
+            "no checkpoint in " + old + ": it has no manifest, and no pair of its files model-103.pt, model-104.pt and "
+            "1 more verifies: nothing resumes from them and nothing deletes them; move them away, or start afresh "
+            "beside them with --resume never");
+  EXPECT_FALSE(first_saves_cut_short(old));
+
+  // A first save cut short, before its training file or before its
+  // manifest: nothing to resume, a fresh start, said as such.
+  const std::string first = dir / "first";
+  save_checkpoint(first, sample(1));
+  files::remove_file(first + "/manifest");
+  ASSERT_TRUE(first_saves_cut_short(first));
+  EXPECT_EQ(first_saves_cut_short(first)->size(), 2u);
+  EXPECT_NE(checkpoint_error(first).find("(a first save cut short before its manifest)"), std::string::npos)
+      << checkpoint_error(first);
+}
+
+// A save that fails removes the files it wrote; a save removes its own
+// lineage's leftovers, and nothing of another's.
+TEST(Checkpoint, AFailedSaveLeavesNothingAndASaveRemovesOnlyItsOwnLeftovers) {
+  TempDir dir;
+  const std::string ckpt = dir / "ckpt";
+  Checkpoint c = sample(5);
+  c.lineage = "0c0c0c0c";
+  save_checkpoint(ckpt, c);
+  const std::vector<std::string> saved = listing(ckpt);
+  struct DiskFull {};
+  c.step = 6;
+  EXPECT_THROW(save_checkpoint(ckpt, c, [](const std::string& what) {
+                 if (what.rfind("wrote training", 0) == 0) throw DiskFull{};
+               }),
+               DiskFull);
+  EXPECT_EQ(listing(ckpt), saved) << "the failed save's model and training files stay";
+  EXPECT_EQ(load_checkpoint(ckpt).step, 5);
+
+  test::write_file(ckpt + "/model-40-0c0c0c0c.pt", "ours, cut short", false);
+  test::write_file(ckpt + "/.training-41-0c0c0c0c.pt.tmp.1f2e3d4c", "ours, half written", false);
+  test::write_file(ckpt + "/model-40-0d0d0d0d.pt", "another run's", false);
+  test::write_file(ckpt + "/.model-41-0d0d0d0d.pt.tmp.1f2e3d4c", "another run's", false);
+  c.step = 7;
+  save_checkpoint(ckpt, c);
+  EXPECT_FALSE(files::exists(ckpt + "/model-40-0c0c0c0c.pt"));
+  EXPECT_FALSE(files::exists(ckpt + "/.training-41-0c0c0c0c.pt.tmp.1f2e3d4c"));
+  EXPECT_TRUE(files::exists(ckpt + "/model-40-0d0d0d0d.pt"));
+  EXPECT_TRUE(files::exists(ckpt + "/.model-41-0d0d0d0d.pt.tmp.1f2e3d4c"));
+  EXPECT_EQ(load_checkpoint(ckpt).step, 7);
+  EXPECT_EQ(load_checkpoint(ckpt).lineage, "0c0c0c0c");
 }
 
 TEST(Checkpoint, AnotherModelIsRefusedByName) {

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <random>
 #include <set>
 
@@ -162,6 +163,32 @@ TEST(Dataset, AHeaderThatClaimsMoreThanTheFileHoldsIsNamedBeforeAllocating) {
       expect_contains(msg, "truncated");
       expect_contains(msg, "2147483647");
     }
+  }
+}
+
+// A gzip file cut in half (a copy cut short) is called short, whatever
+// its last bytes, which are then mid-stream data, say as a trailer.
+TEST(Dataset, AGzipFileCutShortIsCalledShort) {
+  TempDir dir;
+  write_split(dir, "t10k", 10, 10);
+  const std::string images = dir / "MNIST/raw/train-images-idx3-ubyte.gz";
+  std::vector<uint8_t> pixels(400 * 28 * 28);
+  std::mt19937 random(7);
+  for (auto& p : pixels) p = static_cast<uint8_t>(random());
+  write_file(images, idx_bytes({400, 28, 28}, pixels), true);
+  write_file(dir / "MNIST/raw/train-labels-idx1-ubyte.gz", idx_bytes({400}, ramp(400)), true);
+  const int64_t half = test::file_size(images) / 2;
+  test::resize_file(images, half);
+  {
+    std::fstream f(images, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(half - 4);
+    f.write("\xff\xff\xff\x7f", 4);  // an "uncompressed size" of 2^31 - 1
+  }
+  for (const auto& msg : {data_error([&] { check_dataset_files(dir.path(), "mnist"); }),
+                          data_error([&] { load_dataset(dir.path(), "mnist", true); })}) {
+    expect_contains(msg, images);
+    expect_contains(msg, "truncated");
+    EXPECT_EQ(msg.find("past the end"), std::string::npos) << msg;
   }
 }
 

@@ -11,6 +11,8 @@
 
 #include "app/base/files.hpp"
 #include "app/base/options.hpp"
+#include "app/train/model.hpp"
+#include "app/train/checkpoint.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -256,7 +258,12 @@ TEST(SlowEndToEnd, EveryCompressionLearnsAsWellAsNoneOverSixEpochs) {
 // train, 3 epochs of MNIST on 2 workers, each against the float32 run it
 // stands for: --amp bf16 and --compression bf16 against none in float32,
 // --accumulate 2 --batch-size 16 against --batch-size 32 (the same images
-// a step). Each within 0.5 points of test top-1, replicas identical.
+// a step). Each within 0.5 points of test top-1, replicas identical, and
+// each setting seen to take effect. Then the first step alone: --accumulate
+// 2 --batch-size 16 moves the parameters as --batch-size 32 does (up to
+// BatchNorm's statistics over 16 images instead of 32, and dropout's draws:
+// within a quarter of the step), where a doubled learning rate would be a
+// whole step off.
 TEST(SlowEndToEnd, MixedPrecisionAccumulationAndBf16LearnAsFloat32Does) {
   ASSERT_TRUE(files::exists(kData + "/MNIST/raw")) << "run: bash scripts/fetch_data.sh mnist";
   const std::vector<std::pair<std::string, std::vector<std::string>>> runs = {
@@ -277,6 +284,14 @@ TEST(SlowEndToEnd, MixedPrecisionAccumulationAndBf16LearnAsFloat32Does) {
     ASSERT_TRUE(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_text(dir / "output.txt");
     const std::string log = read_text(dir / "out/mnist_train.log");
     EXPECT_NE(log.find("Replicas: all 2 ranks hold identical parameters"), std::string::npos) << name << "\n" << log;
+    if (name == "--amp bf16") {
+      EXPECT_NE(log.find("Mixed precision: forward and loss under autocast to bf16"), std::string::npos) << log;
+    }
+    if (name.rfind("--accumulate", 0) == 0) {
+      EXPECT_NE(log.find("Gradient accumulation: 2 micro-batches of 16 per optimizer step"), std::string::npos) << log;
+    } else {
+      EXPECT_EQ(log.find("Gradient accumulation"), std::string::npos) << name;
+    }
     accuracy[name] = final_test_top1(dir / "out");
     std::cout << name << ": test top-1 " << accuracy[name] << "% after 3 epochs" << std::endl;
     if (compression == "bf16") {  // half of none's 4,800,296, as fp16
@@ -285,6 +300,34 @@ TEST(SlowEndToEnd, MixedPrecisionAccumulationAndBf16LearnAsFloat32Does) {
   }
   for (const auto& [name, top1] : accuracy)
     EXPECT_NEAR(top1, accuracy["float32"], 0.5) << name << " against float32 (" << accuracy["float32"] << "%)";
+
+  // The first step: the parameters it starts from are the trainer's (Net after manual_seed(--seed 0)).
+  torch::manual_seed(0);
+  Net net;
+  const TensorDict initial = state_dict(*net, "module.");
+  std::map<std::string, TensorDict> after;
+  for (const auto& [name, extra] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"32", {"--batch-size", "32"}}, {"2x16", {"--accumulate", "2", "--batch-size", "16"}},
+           {"32, lr doubled", {"--batch-size", "32", "--lr", "0.02"}}}) {
+    TempDir dir;
+    std::vector<std::string> args = {"--backend", "gloo", "--nproc", "2", "--epochs", "1", "--max-steps", "1",
+                                     "--compression", "none", "--checkpoint-every", "1", "--data-dir", kData,
+                                     "--path", dir / "out"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    ASSERT_EQ(Process(args, dir / "output.txt").wait(300s), 0) << read_text(dir / "output.txt");
+    after[name] = load_checkpoint(dir / "out/checkpoint").model;
+  }
+  auto distance = [&](const TensorDict& a, const TensorDict& b) {
+    double sum = 0;
+    for (const auto& item : a)
+      if (item.key().find("weight") != std::string::npos)
+        sum += (item.value().to(torch::kFloat64) - b.at(item.key()).to(torch::kFloat64)).pow(2).sum().item<double>();
+    return std::sqrt(sum);
+  };
+  const double step = distance(after["32"], initial);
+  ASSERT_GT(step, 0);
+  EXPECT_LT(distance(after["2x16"], after["32"]), 0.25 * step);
+  EXPECT_GT(distance(after["32, lr doubled"], after["32"]), 0.75 * step) << "the check tells a doubled step apart";
 }
 
 // Two workers sharing one GPU over Gloo: the whole multi-rank CUDA path

@@ -7,6 +7,11 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <map>
+#include <sstream>
 #include <thread>
 
 #include "app/base/files.hpp"
@@ -54,6 +59,20 @@ c10::intrusive_ptr<c10d::TCPStore> neighbour(int port) {
   return store;
 }
 
+// Every file under `dir` (one level of folders) by its path there, with its bytes.
+std::map<std::string, std::string> every_file(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const std::string& name : files::list_directory(dir)) {
+    const std::string path = dir + "/" + name;
+    if (files::is_directory(path)) {
+      for (const std::string& inner : files::list_directory(path)) out[name + "/" + inner] = read_text(path + "/" + inner);
+    } else {
+      out[name] = read_text(path);
+    }
+  }
+  return out;
+}
+
 int error_lines(const std::string& output) {
   int n = 0;
   for (size_t at = output.find("mnist_ddp: error"); at != std::string::npos; at = output.find("mnist_ddp: error", at + 1))
@@ -63,14 +82,15 @@ int error_lines(const std::string& output) {
 
 // One node: the keys a neighbour knows from our source (a node's claim,
 // its worker count, the shared-memory segment, a restart's cause) are not
-// the job's, whose keys live under a prefix the launcher drew. A worker
-// killed at step 12 restarts as ever, and the job ends 0 without an error
-// line, saying it took one restart.
+// the job's, whose keys live under a prefix the launcher drew. The launcher
+// holds everything until the neighbour has written (faults.hpp), so every
+// read comes after. A worker killed at step 12 restarts as ever, and the
+// job ends 0 without an error line, saying it took one restart.
 TEST_F(Hostile, ANeighbourOnTheStoreCannotSteerAJobOnOneNode) {
-  const std::string out = dir_ / "out";
+  const std::string out = dir_ / "out", written = dir_ / "neighbour-wrote";
   Process p(job(out, {"--master-port", port_, "--epochs", "1", "--max-steps", "30", "--checkpoint-steps", "5",
                       "--max-restarts", "1"}),
-            dir_ / "out.txt", {"MNIST_DDP_KILL_AFTER_STEP=0:1:12"});
+            dir_ / "out.txt", {"MNIST_DDP_KILL_AFTER_STEP=0:1:12", "MNIST_DDP_HOLD_WORKERS_UNTIL=" + written});
   auto store = neighbour(std::stoi(port_));
   ASSERT_TRUE(store);
   for (const auto& [key, value] : std::vector<std::pair<std::string, std::string>>{
@@ -81,6 +101,8 @@ TEST_F(Hostile, ANeighbourOnTheStoreCannotSteerAJobOnOneNode) {
            {"round/1/main/shared_memory", "/mnist_ddp.evil"},
            {"restart/1/cause", "node 0: a neighbour wrote this"}})
     store->set(key, bytes_of(value));
+  EXPECT_FALSE(files::exists(out + "/mnist_train.log")) << "a worker started before the neighbour wrote";
+  test::write_file(written, "", false);
   const int code = exit_code(p.wait(180s));
   const std::string output = read_text(dir_ / "out.txt");
   EXPECT_EQ(code, 0) << output;
@@ -109,8 +131,16 @@ TEST_F(Hostile, NodesSharingASecretTakeNoNeighboursWordAndAPreemptedNodeIsNamed)
   ASSERT_TRUE(store);
   store->set("restart/1/cause", bytes_of("node 1: a neighbour wrote this"));
   store->set("preempted/0", bytes_of("node 0: SIGUSR1"));
-  std::this_thread::sleep_for(2s);  // the launchers look for a cause every 250 ms
+  // The launchers look for a cause every 250 ms: the job goes on through
+  // two more checkpoints, which takes longer, and no node moves.
+  const auto at = [&] {
+    const auto c = read_manifest(dir_ / "node0/checkpoint");
+    return c ? c->step : 0;
+  };
+  const int64_t written_at = at();
+  ASSERT_TRUE(eventually([&] { return at() >= written_at + 6; }, 60s)) << read_text(dir_ / "node0.txt");
   EXPECT_EQ(waitpid(node0.pid(), nullptr, WNOHANG), 0) << read_text(dir_ / "node0.txt");
+  EXPECT_EQ(waitpid(node1.pid(), nullptr, WNOHANG), 0) << read_text(dir_ / "node1.txt");
   test::send_signal(node1.pid(), SIGTERM);
   const int code0 = exit_code(node0.wait(60s)), code1 = exit_code(node1.wait(60s));
   const std::string out0 = read_text(dir_ / "node0.txt"), out1 = read_text(dir_ / "node1.txt");
@@ -119,6 +149,8 @@ TEST_F(Hostile, NodesSharingASecretTakeNoNeighboursWordAndAPreemptedNodeIsNamed)
   EXPECT_NE(out0.find("mnist_ddp: node 1 was preempted (SIGTERM to its launcher)"), std::string::npos) << out0;
   EXPECT_EQ(error_lines(out0) + error_lines(out1), 0) << out0 << out1;
   EXPECT_EQ(out0.find("neighbour"), std::string::npos) << out0;
+  for (const std::string& out : {out0, out1}) EXPECT_EQ(out.find("SIGUSR1"), std::string::npos) << out;
+  EXPECT_EQ(test::read_summary(dir_ / "node0").at("preempted").get<std::string>(), "SIGTERM");
   EXPECT_EQ(out0.find("MNIST_DDP_SECRET"), std::string::npos) << "a warning though the nodes share a secret:\n" << out0;
 }
 
@@ -151,10 +183,9 @@ TEST_F(Hostile, AFinishedRunResumedChangesNoFileAndAnotherThreadCountIsNamed) {
   const std::string out = dir_ / "out";
   const auto args = job(out, {"--epochs", "1", "--max-steps", "8", "--checkpoint-steps", "4"});
   ASSERT_EQ(exit_code(Process(args, dir_ / "a.txt", {"OMP_NUM_THREADS=2"}).wait(120s)), 0) << read_text(dir_ / "a.txt");
-  const std::vector<std::string> kept = {"summary.json", "metrics.csv", "mnist_model.pt", "checkpoint/manifest"};
-  std::vector<std::string> before;
-  for (const auto& f : kept) before.push_back(read_text(out + "/" + f));
-  ASSERT_NE(before[0].find("best_test_top1"), std::string::npos) << before[0];
+  const std::map<std::string, std::string> before = every_file(out);
+  ASSERT_NE(before.at("summary.json").find("best_test_top1"), std::string::npos);
+  ASSERT_GE(before.size(), 8u);  // the log, metrics, summary, model; a checkpoint's manifests and files
 
   auto resumed = args;
   resumed.insert(resumed.end(), {"--resume", "auto"});
@@ -164,7 +195,19 @@ TEST_F(Hostile, AFinishedRunResumedChangesNoFileAndAnotherThreadCountIsNamed) {
             std::string::npos)
       << b;
   EXPECT_EQ(b.find("bit-identical"), std::string::npos) << b;
-  for (size_t i = 0; i < kept.size(); ++i) EXPECT_EQ(read_text(out + "/" + kept[i]), before[i]) << kept[i] << " changed";
+  // Every file as it was: the log only gains this run's lines at its end,
+  // and the folder's lock names its holder.
+  const std::map<std::string, std::string> after = every_file(out);
+  EXPECT_EQ(after.size(), before.size()) << "files came or went";
+  for (const auto& [name, bytes] : before) {
+    const auto it = after.find(name);
+    if (name == ".lock") continue;
+    if (name == "mnist_train.log")
+      EXPECT_TRUE(it != after.end() && it->second.size() > bytes.size() && it->second.compare(0, bytes.size(), bytes) == 0)
+          << "the log was not appended to";
+    else
+      EXPECT_TRUE(it != after.end() && it->second == bytes) << name << " changed";
+  }
 
   resumed.insert(resumed.end(), {"--max-steps", "12"});
   ASSERT_EQ(exit_code(Process(resumed, dir_ / "c.txt", {"OMP_NUM_THREADS=1"}).wait(120s)), 0) << read_text(dir_ / "c.txt");
@@ -173,6 +216,121 @@ TEST_F(Hostile, AFinishedRunResumedChangesNoFileAndAnotherThreadCountIsNamed) {
             std::string::npos)
       << c;
   EXPECT_NE(c.find("will not end bit-identical"), std::string::npos) << c;
+}
+
+// Issue 43: a checkpoint folder whose manifests are gone. The newest pair
+// of files that verifies is resumed from, a line says so, and no file is
+// deleted; the resume names the settings it changes (--amp, --epochs). A
+// run that then starts afresh keeps the earlier best model beside its own.
+TEST_F(Hostile, AFolderThatLostItsManifestsIsResumedAndNoFileIsLost) {
+  const std::string out = dir_ / "out", ckpt = out + "/checkpoint";
+  const auto args = job(out, {"--epochs", "1", "--checkpoint-steps", "4"});
+  ASSERT_EQ(exit_code(Process(args, dir_ / "a.txt").wait(120s)), 0) << read_text(dir_ / "a.txt");
+  files::remove_file(ckpt + "/manifest");
+  files::remove_file(ckpt + "/manifest.previous");
+  const std::vector<std::string> left = files::list_directory(ckpt);
+  ASSERT_EQ(left.size(), 4u);
+
+  auto resumed = job(out, {"--epochs", "2", "--max-steps", "18", "--checkpoint-steps", "4", "--amp", "bf16",
+                           "--resume", "auto"});
+  ASSERT_EQ(exit_code(Process(resumed, dir_ / "b.txt").wait(120s)), 0) << read_text(dir_ / "b.txt");
+  const std::string b = read_text(dir_ / "b.txt");
+  EXPECT_NE(b.find(ckpt + " has no manifest: resuming from model-"), std::string::npos) << b;
+  EXPECT_NE(b.find("the newest pair of its files whose contents verify (step 16)"), std::string::npos) << b;
+  EXPECT_NE(b.find("Resuming from " + ckpt + ": epoch 1, batch 0, step 16"), std::string::npos) << b;
+  EXPECT_NE(b.find("The checkpoint was written with --amp none (this run: bf16), --epochs 1 (this run: 2): it goes on "
+                   "from the checkpoint, but will not end bit-identical to a run never stopped"),
+            std::string::npos)
+      << b;
+  EXPECT_EQ(error_lines(b), 0) << b;
+  for (const std::string& name : left) EXPECT_TRUE(files::exists(ckpt + "/" + name)) << name << " was deleted";
+  EXPECT_EQ(load_checkpoint(ckpt).step, 18);
+
+  const std::string best = read_text(out + "/mnist_model.pt");
+  ASSERT_FALSE(best.empty());
+  ASSERT_EQ(exit_code(Process(job(out, {"--epochs", "1", "--max-steps", "2"}), dir_ / "c.txt").wait(120s)), 0)
+      << read_text(dir_ / "c.txt");
+  EXPECT_EQ(read_text(out + "/mnist_model.kept-1.pt"), best);
+  EXPECT_NE(read_text(dir_ / "c.txt").find(out + "/mnist_model.pt holds an earlier run's best model, and this run "
+                                           "starts afresh: it is kept as " + out + "/mnist_model.kept-1.pt"),
+            std::string::npos)
+      << read_text(dir_ / "c.txt");
+}
+
+// Issue 43: the secret file is read only where several nodes need it, and
+// what is wrong with it is one line and exit 2; one that others can read
+// is a warning; nodes whose secrets differ are told so within --timeout,
+// on both nodes, by a salted digest that tells a neighbour nothing.
+TEST_F(Hostile, ASecretThatCannotBeReadOrDiffersIsOneLine) {
+  const std::string missing = "MNIST_DDP_SECRET_FILE=" + (dir_ / "no-such-file");
+  EXPECT_EQ(exit_code(Process({"--help"}, dir_ / "help.txt", {missing}).wait(20s)), 0) << read_text(dir_ / "help.txt");
+  files::make_directories(dir_ / "a-dir");
+  test::write_file(dir_ / "empty", "", false);
+  test::write_file(dir_ / "shared", "ours\n", false);
+  chmod((dir_ / "shared").c_str(), 0644);
+  auto node = [&](int rank, const std::string& timeout = "10") {
+    return job(dir_ / ("node" + std::to_string(rank)),
+               {"--nnodes", "2", "--node-rank", std::to_string(rank), "--nproc", "1", "--master-port", port_,
+                "--epochs", "1", "--timeout", timeout});
+  };
+  for (const auto& [file, why] : std::vector<std::pair<std::string, std::string>>{
+           {dir_ / "no-such-file", ": No such file or directory"}, {dir_ / "a-dir", " is a directory, not a file"},
+           {dir_ / "empty", " is empty"}}) {
+    const int code = exit_code(Process(node(0), dir_ / "bad.txt", {"MNIST_DDP_SECRET_FILE=" + file}).wait(30s));
+    const std::string text = read_text(dir_ / "bad.txt");
+    EXPECT_EQ(code, 2) << text;
+    EXPECT_EQ(error_lines(text), 1) << text;
+    EXPECT_NE(text.find("mnist_ddp: error: MNIST_DDP_SECRET_FILE=" + file + why), std::string::npos) << text;
+    EXPECT_EQ(text.find("terminate called"), std::string::npos) << text;
+  }
+  // Readable by others: one warning, then the run goes on (here to a store that is not there).
+  Process alone(node(1, "2"), dir_ / "alone.txt", {"MNIST_DDP_SECRET_FILE=" + (dir_ / "shared")});
+  EXPECT_NE(exit_code(alone.wait(30s)), 0);
+  EXPECT_NE(read_text(dir_ / "alone.txt").find("mnist_ddp: warning: MNIST_DDP_SECRET_FILE=" + (dir_ / "shared") +
+                                               " can be read by other users (mode 0644)"),
+            std::string::npos)
+      << read_text(dir_ / "alone.txt");
+  // The store refused: our lines alone, none of LibTorch's log lines.
+  std::istringstream lines(read_text(dir_ / "alone.txt"));
+  for (std::string line; std::getline(lines, line);)
+    EXPECT_TRUE(line.rfind("mnist_ddp: ", 0) == 0 || line.rfind("The folder ", 0) == 0) << line;
+
+  const auto start = std::chrono::steady_clock::now();
+  Process node0(node(0), dir_ / "node0.txt", {"MNIST_DDP_SECRET=the job's"});
+  Process node1(node(1), dir_ / "node1.txt", {"MNIST_DDP_SECRET=another job's"});
+  const int code0 = exit_code(node0.wait(60s)), code1 = exit_code(node1.wait(60s));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s) << "not named within --timeout";
+  for (const auto& [code, out] : {std::pair{code0, read_text(dir_ / "node0.txt")}, std::pair{code1, read_text(dir_ / "node1.txt")}}) {
+    EXPECT_EQ(code, 2) << out;
+    EXPECT_NE(out.find("mnist_ddp: error: node 1's secret differs from node 0's"), std::string::npos) << out;
+    EXPECT_EQ(error_lines(out), 1) << out;
+    EXPECT_EQ(out.find("the job's"), std::string::npos) << out;
+  }
+}
+
+// Issue 43: a neighbour opens the store's port and sends one byte while two
+// nodes meet. The store stalls; each node ends in one line and a non-zero
+// exit, never an abort.
+TEST_F(Hostile, AOneByteNeighbourDuringTheRendezvousOfTwoNodesEndsEachInOneLine) {
+  auto node = [&](int rank) {
+    return job(dir_ / ("node" + std::to_string(rank)),
+               {"--nnodes", "2", "--node-rank", std::to_string(rank), "--nproc", "1", "--master-port", port_,
+                "--epochs", "1", "--timeout", "4"});
+  };
+  const std::vector<std::string> env = {"MNIST_DDP_SECRET=our job's own"};
+  Process node0(node(0), dir_ / "node0.txt", env);
+  int neighbour = -1;
+  ASSERT_TRUE(eventually([&] { return (neighbour = test::connect_to_port(std::stoi(port_))) >= 0; }, 30s));
+  ASSERT_EQ(write(neighbour, "\x00", 1), 1);
+  Process node1(node(1), dir_ / "node1.txt", env);
+  const int code0 = exit_code(node0.wait(60s)), code1 = exit_code(node1.wait(60s));
+  close(neighbour);
+  for (const auto& [code, out] : {std::pair{code0, read_text(dir_ / "node0.txt")}, std::pair{code1, read_text(dir_ / "node1.txt")}}) {
+    EXPECT_NE(code, 0) << out;
+    EXPECT_NE(code, 134) << out;
+    EXPECT_EQ(out.find("terminate called"), std::string::npos) << out;
+    EXPECT_EQ(error_lines(out), 1) << out;
+  }
 }
 
 // Two launchers that disagree on --nnodes: the disagreement, named at once,

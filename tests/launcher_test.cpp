@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <regex>
+#include <sstream>
 
 #include "app/base/placement.hpp"
 #include "test_util.hpp"
@@ -75,6 +76,25 @@ TEST(Launcher, SigtermToTheLauncherAloneStopsTheWorkersAndExits143) {
   const int status = launcher.wait(10s);
   ASSERT_NE(status, -1);
   EXPECT_EQ(WEXITSTATUS(status), 143);
+  expect_all_gone(workers);
+}
+
+// A hangup (the terminal closed) stops the workers as Ctrl-C does, and
+// they checkpoint and name it: SIGHUP, exit 129.
+TEST(Launcher, ASighupIsNamedAsOne) {
+  TempDir dir;
+  const std::string out = dir / "output.txt";
+  auto args = long_run(dir);
+  args.insert(args.end(), {"--checkpoint-every", "1"});
+  Process launcher(args, out);
+  const auto workers = start_training(launcher, out);
+  send_signal(launcher.pid(), SIGHUP);
+  const int status = launcher.wait(30s);
+  ASSERT_NE(status, -1);
+  EXPECT_EQ(WEXITSTATUS(status), 129) << read_text(out);
+  const std::string log = read_text(dir / "out/mnist_train.log");
+  EXPECT_NE(log.find("Preempted by SIGHUP: every rank stopped after step "), std::string::npos) << log;
+  EXPECT_EQ(log.find("SIGTERM"), std::string::npos) << log;
   expect_all_gone(workers);
 }
 
@@ -201,6 +221,59 @@ TEST(Launcher, BadInputIsOneLineAndNoWorkerStarts) {
   ASSERT_EQ(WEXITSTATUS(many.wait(20s)), 2) << read_text(out);
   EXPECT_NE(read_text(out).find("mnist_ddp: error: --nproc 5000: this machine has "), std::string::npos) << read_text(out);
   EXPECT_NE(read_text(out).find(" fit\n"), std::string::npos) << read_text(out);
+}
+
+// Whether `pid` is a running `sleep` (not a zombie, not a reused pid).
+bool a_sleeper(pid_t pid) {
+  const std::string proc = "/proc/" + std::to_string(pid);
+  const std::string stat = read_text(proc + "/stat"), cmdline = read_text(proc + "/cmdline");
+  const size_t after = stat.rfind(')');
+  return after != std::string::npos && stat.size() > after + 2 && stat[after + 2] != 'Z' &&
+         cmdline.rfind("sleep", 0) == 0;
+}
+
+// Each of the two programs under `mnist_ddp run` starts a background
+// process in its own process group and one under setsid, then ends as the
+// case says: every such descendant ends with the launcher, whichever way
+// it ends (README: no process outlives the launcher).
+TEST(Launcher, NoDescendantOutlivesTheLauncher) {
+  // $0 is the folder; each rank writes its descendants' pids, then ready.<rank>.
+  const std::string program = R"sh(d=$0; mode=$1
+sh -c 'echo $$ >> "$0/pids.$1"; exec sleep 300' "$d" "$LOCAL_RANK" &
+setsid sh -c 'echo $$ >> "$0/pids.$1"; exec sleep 300' "$d" "$LOCAL_RANK" &
+while [ "$(cat "$d/pids.$LOCAL_RANK" 2>/dev/null | wc -l)" -lt 2 ]; do sleep 0.05; done
+touch "$d/ready.$LOCAL_RANK"
+while [ ! -e "$d/ready.0" ] || [ ! -e "$d/ready.1" ]; do sleep 0.05; done
+case "$mode$LOCAL_RANK" in ok*) exit 0;; fail0) exit 3;; esac
+exec sleep 300)sh";
+  struct Case {
+    std::string name;
+    int signal;  // sent once both programs are ready; 0 for none
+    int code;
+  };
+  for (const Case& c : {Case{"ok", 0, 0}, Case{"fail", 0, 3}, Case{"ctrl-c", SIGINT, 130}, Case{"sigterm", SIGTERM, 143}}) {
+    SCOPED_TRACE(c.name);
+    TempDir dir;
+    const std::string out = dir / "output.txt";
+    Process launcher({"run", "--nproc", "2", "--", "/bin/sh", "-c", program, dir.path(), c.name}, out);
+    ASSERT_TRUE(eventually([&] { return files::exists(dir / "ready.0") && files::exists(dir / "ready.1"); }, 30s))
+        << read_text(out);
+    if (c.signal) send_signal(launcher.pid(), c.signal, /*group=*/c.signal == SIGINT);
+    const int status = launcher.wait(30s);
+    ASSERT_NE(status, -1) << read_text(out);
+    EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), c.code) << read_text(out);
+    std::vector<pid_t> descendants;
+    for (const char* rank : {"0", "1"}) {
+      std::istringstream pids(read_text(dir / ("pids." + std::string(rank))));
+      for (long pid; pids >> pid;)
+        if (pid > 1) descendants.push_back(static_cast<pid_t>(pid));
+    }
+    EXPECT_EQ(descendants.size(), 4u);
+    EXPECT_TRUE(eventually([&] { return std::none_of(descendants.begin(), descendants.end(), a_sleeper); }, 3s))
+        << "a descendant outlived the launcher";
+    for (pid_t pid : descendants)
+      if (a_sleeper(pid)) kill(pid, SIGKILL);  // ours: the pid is a sleep this case started
+  }
 }
 
 TEST(Launcher, WorkersAreBoundedByTheMachinesCoresAndMemory) {

@@ -4,6 +4,8 @@
 // bit-identical across ranks.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include <torch/torch.h>
 
 #include <limits>
@@ -277,6 +279,7 @@ TEST(Library, ParametersOfTwoDtypesGoInBucketsOfTheirOwn) {
   torch::manual_seed(52);
   const auto x = torch::randn({6, 4});
   std::vector<Snapshot> got(kWorld);
+  std::map<std::string, Snapshot> by_hook;
   for (const std::string hook : {"none", "fp16"}) {
     run_ranks(kWorld, [&](ProcessGroup& group) {
       auto model = models[group.rank()];
@@ -294,7 +297,22 @@ TEST(Library, ParametersOfTwoDtypesGoInBucketsOfTheirOwn) {
     oracle->zero_grad();
     oracle->forward(x).pow(2).mean().backward();
     expect_oracle(got, snapshot(*oracle), hook == "fp16" ? 2e-3 : 1e-6);
+    by_hook[hook] = got[0];
   }
+  // fp16 sent both buckets rounded to float16: every gradient of the float64
+  // and of the float32 layer differs from the exact sums somewhere.
+  const Snapshot& none = by_hook["none"];
+  const Snapshot& fp16 = by_hook["fp16"];
+  for (size_t i = 0; i < none.grads.size(); ++i)
+    EXPECT_GT(max_abs_diff(fp16.grads[i].to(torch::kFloat64), none.grads[i].to(torch::kFloat64)), 0)
+        << "gradient " << i << " was not compressed";
+}
+
+// Every buffer of `m` (running mean and variance, batches tracked), as float64, end to end.
+torch::Tensor every_buffer(torch::nn::Module& m) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& b : m.buffers()) parts.push_back(b.detach().to(torch::kFloat64).reshape(-1));
+  return torch::cat(parts);
 }
 
 // BatchNorm's running statistics without SyncBatchNorm: rank 0's before
@@ -315,13 +333,13 @@ TEST(Library, BuffersComeFromRank0BeforeEachForwardOrStayEachRanksOwn) {
   const auto x1 = torch::randn({8, 3}), x2 = torch::randn({8, 3});
   for (bool broadcast : {true, false}) {
     auto models = replicas<PlainNormImpl>(61);
-    std::vector<torch::Tensor> means(kWorld);
+    std::vector<torch::Tensor> means(kWorld);  // every buffer, end to end
     run_ranks(kWorld, [&](ProcessGroup& group) {
       auto model = models[group.rank()];
       DistributedDataParallel ddp(model, group, DdpOptions().broadcast_buffers(broadcast));
       ddp.forward(shard(x1, group.rank())).sum().backward();
       ddp.forward(shard(x2, group.rank())).sum().backward();
-      means[group.rank()] = model->bn->running_mean.clone();
+      means[group.rank()] = every_buffer(*model);
     });
     // One BatchNorm1d replays what each rank's saw.
     for (int r = 0; r < kWorld; ++r) {
@@ -329,9 +347,10 @@ TEST(Library, BuffersComeFromRank0BeforeEachForwardOrStayEachRanksOwn) {
       torch::NoGradGuard no_grad;
       oracle->bn->running_mean.zero_();
       oracle->bn->running_var.fill_(1);
+      oracle->bn->num_batches_tracked.zero_();
       oracle->forward(shard(x1, broadcast ? 0 : r));
       oracle->forward(shard(x2, r));
-      EXPECT_LE(max_abs_diff(means[r], oracle->bn->running_mean), 1e-6) << "rank " << r << " broadcast " << broadcast;
+      EXPECT_LE(max_abs_diff(means[r], every_buffer(*oracle)), 1e-6) << "rank " << r << " broadcast " << broadcast;
     }
     EXPECT_EQ(torch::equal(means[0], means[1]), false) << "after its forward, each rank holds its own statistics";
   }
@@ -352,7 +371,7 @@ struct NormsImpl : torch::nn::Module {
     auto h = seq->forward(x);                                                   // [N, 3, 4, 4]
     h = call("norm3d", h.unsqueeze(2)).squeeze(2);                             // 3d over [N, 3, 1, 4, 4]
     h = call("norm1d", fc(h.flatten(1)));
-    return own(h);
+    return call("own", h);
   }
   // A child looked up by name, as the forward of a model that converts finds it.
   torch::Tensor call(const std::string& name, const torch::Tensor& x) {
@@ -385,7 +404,15 @@ TEST(Library, ConvertedNormLayersOfEveryKindMatchBatchNormOnTheWholeBatch) {
     for (const auto& b : model->buffers()) buffers.push_back(b.to(torch::kFloat64).reshape(-1));
     stats[group.rank()] = torch::cat(buffers);
   });
-  auto oracle = models.back();  // plain BatchNorms, and its own SyncBatchNorm alone: BatchNorm
+  // The oracle: plain BatchNorms, its own SyncBatchNorm too (weights copied).
+  auto oracle = models.back();
+  torch::nn::BatchNorm1d own_oracle(5);
+  {
+    torch::NoGradGuard no_grad;
+    own_oracle->weight.copy_(oracle->own->weight);
+    own_oracle->bias.copy_(oracle->own->bias);
+  }
+  oracle->replace_module("own", own_oracle);
   oracle->forward(x).pow(2).mean().backward();
   expect_oracle(got, snapshot(*oracle), 1e-5);
   std::vector<torch::Tensor> buffers;
@@ -410,6 +437,20 @@ struct ListNormImpl : torch::nn::Module {
 };
 TORCH_MODULE(ListNorm);
 
+// Both kinds in one model, and one the conversion reaches: every layer it
+// cannot reach is named in one message, and nothing is changed.
+struct ManyNormsImpl : torch::nn::Module {
+  ManyNormsImpl() {
+    bn = register_module("bn", torch::nn::BatchNorm2d(6));
+    layers = register_module("layers", torch::nn::ModuleList(torch::nn::BatchNorm1d(2)));
+    fine = register_module("fine", torch::nn::Sequential(torch::nn::BatchNorm1d(3)));
+  }
+  torch::nn::BatchNorm2d bn{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  torch::nn::Sequential fine{nullptr};
+};
+TORCH_MODULE(ManyNorms);
+
 TEST(Library, ANormLayerTheConversionCannotReachIsRefusedNamingItAndNothingChanges) {
   MemberNorm member;
   std::string error;
@@ -418,7 +459,8 @@ TEST(Library, ANormLayerTheConversionCannotReachIsRefusedNamingItAndNothingChang
   } catch (const UsageError& e) {
     error = e.what();
   }
-  EXPECT_NE(error.find("convert_sync_batchnorm: bn (a torch::nn::BatchNorm2d)"), std::string::npos) << error;
+  EXPECT_NE(error.find("convert_sync_batchnorm: 1 layer "), std::string::npos) << error;
+  EXPECT_NE(error.find("bn (a torch::nn::BatchNorm2d also held by a member"), std::string::npos) << error;
   EXPECT_NE(error.find("mnist_ddp::SyncBatchNorm(6)"), std::string::npos) << error;
   EXPECT_EQ(error.find('\n'), std::string::npos) << error;
   EXPECT_TRUE(member->named_children()["bn"]->as<torch::nn::BatchNorm2dImpl>()) << "the model was changed";
@@ -430,8 +472,22 @@ TEST(Library, ANormLayerTheConversionCannotReachIsRefusedNamingItAndNothingChang
   } catch (const UsageError& e) {
     error = e.what();
   }
-  EXPECT_NE(error.find("layers.0 is a torch::nn::BatchNorm1d in a torch::nn::ModuleList"), std::string::npos) << error;
+  EXPECT_NE(error.find("layers.0 (a torch::nn::BatchNorm1d in a torch::nn::ModuleList"), std::string::npos) << error;
   EXPECT_TRUE(list->layers[0]->as<torch::nn::BatchNorm1dImpl>());
+
+  ManyNorms many;
+  error.clear();
+  try {
+    convert_sync_batchnorm(many);
+  } catch (const UsageError& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("convert_sync_batchnorm: 2 layers "), std::string::npos) << error;
+  EXPECT_NE(error.find("bn (a torch::nn::BatchNorm2d"), std::string::npos) << error;
+  EXPECT_NE(error.find("layers.0 (a torch::nn::BatchNorm1d"), std::string::npos) << error;
+  EXPECT_EQ(error.find("fine"), std::string::npos) << "a layer the conversion reaches is named: " << error;
+  EXPECT_EQ(error.find('\n'), std::string::npos) << error;
+  EXPECT_TRUE(many->fine[0]->as<torch::nn::BatchNorm1dImpl>()) << "a layer was converted though others were refused";
 }
 
 // A program's own hook: a subclass of CommHook, registered as the built-in ones.
@@ -612,10 +668,11 @@ TEST(Library, AHooksStateSavedWithTorchSaveResumesExactly) {
   }
 }
 
-// float16's loss scale, agreed: an inf on one rank's loss at step 2 makes
+// float16's loss scale, agreed: an inf in one rank's gradient at step 2,
+// put there after backward (so DDP's averaging never carried it), makes
 // every rank skip that step and halve its scale, under plain averaging and
-// under PowerSGD (whose low-rank result could hide it); the replicas end
-// identical, and PowerSGD's memories carry no inf into later steps.
+// under PowerSGD: only the scaler's own agreement can tell rank 0. The
+// replicas end identical and finite.
 TEST(Library, AnInfOnOneRankMakesEveryRankSkipTheStepAlike) {
   torch::manual_seed(102);
   std::vector<torch::Tensor> xs;
@@ -637,8 +694,11 @@ TEST(Library, AnInfOnOneRankMakesEveryRankSkipTheStepAlike) {
       for (int s = 0; s < 5; ++s) {
         opt.zero_grad();
         auto loss = ddp.forward(shard(xs[s], group.rank()), true).pow(2).mean();
-        if (s == 2 && group.rank() == 1) loss = loss * std::numeric_limits<float>::infinity();
         scaler.scale(loss).backward();
+        if (s == 2 && group.rank() == 1) {
+          torch::NoGradGuard no_grad;
+          model->parameters()[0].mutable_grad().view(-1)[0].fill_(std::numeric_limits<float>::infinity());
+        }
         const bool stepped = scaler.step(opt);
         EXPECT_EQ(stepped, s != 2) << "step " << s;
         scaler.update();

@@ -18,19 +18,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// A connection to 127.0.0.1:`port`; -1 when refused.
-int connect_to(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in at{};
-  at.sin_family = AF_INET;
-  at.sin_port = htons(static_cast<uint16_t>(port));
-  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<const sockaddr*>(&at), sizeof at) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
+using test::connect_to_port;
 
 // Node 0's only worker in round `round` of our launcher's job at `port`.
 WorkerEnv worker_at(int port, int round) {
@@ -56,7 +44,7 @@ ProcessGroup join(int port, int round, std::chrono::milliseconds timeout) {
 TEST(Rendezvous, APartialRequestOnTheStoreEndsTheJoinWithinItsTimeout) {
   auto store = open_store("127.0.0.1", 0, /*host=*/true, 10s);
   const int port = static_cast<int>(store->getPort());
-  const int neighbour = connect_to(port);
+  const int neighbour = connect_to_port(port);
   ASSERT_GE(neighbour, 0);
   const char partial[] = {0x00, 0x05, 0x00};  // a SET, and part of its key's length
   ASSERT_EQ(write(neighbour, partial, sizeof partial), static_cast<ssize_t>(sizeof partial));
@@ -90,7 +78,7 @@ TEST(Rendezvous, ManyIdleConnectionsDoNotStopTheStore) {
   const int port = static_cast<int>(store->getPort());
   std::vector<int> idle;
   for (int i = 0; i < 1100; ++i) {
-    const int fd = connect_to(port);
+    const int fd = connect_to_port(port);
     if (fd < 0) break;
     idle.push_back(fd);
   }

@@ -25,6 +25,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <mutex>
 #include <random>
 #include <stdexcept>
@@ -40,7 +41,7 @@
 #include "app/base/options.hpp"
 #include "mnist_ddp/comm/process_group.hpp"
 #include "comm/group.hpp"
-#include "parallel/batch_norm_relu.hpp"
+#include "parallel/norm.hpp"
 #include "parallel/reducer.hpp"
 #include "parallel/wires.hpp"
 #include "app/train/report.hpp"
@@ -116,7 +117,6 @@ class TempDir {
   std::string path_;
 };
 
-// True for a regular file (or a link to one).
 // The largest elementwise difference, in float64, on the CPU; 0 for empty tensors.
 inline double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
   if (a.numel() == 0) return 0;
@@ -124,12 +124,18 @@ inline double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
 }
 
 // The same over every entry of `a`, each compared with `b`'s of that name.
+// Infinite where the two hold different keys: an entry missing from either counts.
 inline double max_abs_diff(const c10::Dict<std::string, torch::Tensor>& a, const c10::Dict<std::string, torch::Tensor>& b) {
+  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
   double worst = 0;
-  for (const auto& item : a) worst = std::max(worst, max_abs_diff(item.value(), b.at(item.key())));
+  for (const auto& item : a) {
+    if (!b.contains(item.key())) return std::numeric_limits<double>::infinity();
+    worst = std::max(worst, max_abs_diff(item.value(), b.at(item.key())));
+  }
   return worst;
 }
 
+// True for a regular file (or a link to one).
 inline bool is_regular_file(const std::string& path) {
   struct stat st;
   return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
@@ -396,6 +402,20 @@ inline int free_port() {
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   close(fd);
   return ntohs(addr.sin_port);
+}
+
+// A connection to 127.0.0.1:`port`; -1 when refused.
+inline int connect_to_port(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_port = htons(static_cast<uint16_t>(port));
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&at), sizeof at) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
 }
 
 // Polls `done` every 20 ms until it holds or `limit` passes.

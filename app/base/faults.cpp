@@ -32,6 +32,7 @@ Faults faults_from(const Environment& env) {
   faults.kill_at_write = std::max(0, std::atoi(env.get("MNIST_DDP_KILL_AT_WRITE").value_or("0").c_str()));
   faults.kill_after_step = Faults::parse_steps(env.get("MNIST_DDP_KILL_AFTER_STEP").value_or(""));
   faults.pause_after_step = Faults::parse_steps(env.get("MNIST_DDP_PAUSE_AFTER_STEP").value_or(""));
+  faults.hold_workers_until = env.get("MNIST_DDP_HOLD_WORKERS_UNTIL").value_or("");
   return faults;
 }
 

@@ -33,6 +33,10 @@ struct Faults {
   // (up to 5 minutes) until a preemption signal reaches it, so a preemption
   // test signals a job that is surely mid-run.
   std::vector<AtStep> pause_after_step;
+  // MNIST_DDP_HOLD_WORKERS_UNTIL=PATH: the launcher, its store open, starts
+  // nothing until PATH exists (up to 60 s), so that what a test does to
+  // the store comes before any read of it.
+  std::string hold_workers_until;
 
   // The step of `points` for this start and rank; -1 when none.
   static int64_t step_for(const std::vector<AtStep>& points, int restart, int rank);

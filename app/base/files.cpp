@@ -235,6 +235,11 @@ AppendFile Directory::append(const std::string& name) const {
 
 void Directory::remove(const std::string& name) const { unlinkat(fd_.get(), name.c_str(), 0); }
 
+void Directory::rename(const std::string& from, const std::string& to) const {
+  if (has(to)) fail("rename " + path_of(from) + " to", path_of(to), EEXIST);
+  if (renameat(fd_.get(), from.c_str(), fd_.get(), to.c_str()) != 0) fail("rename " + path_of(from) + " to", path_of(to));
+}
+
 std::vector<std::string> Directory::list() const {
   std::vector<std::string> names;
   const int fd = openat(fd_.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);  // fdopendir takes the descriptor

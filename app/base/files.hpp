@@ -119,6 +119,8 @@ class Directory {
   AppendFile append(const std::string& name) const;
   // Removes `name` (a link, not its target); a missing one is not an error.
   void remove(const std::string& name) const;
+  // Renames `from` to `to`, which must not exist yet.
+  void rename(const std::string& from, const std::string& to) const;
   // The names in it, without "." and "..".
   std::vector<std::string> list() const;
   // Flushes the directory's entries (renames, removals) to disk.

@@ -231,7 +231,8 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
       ->check(at_least(0, "an integer >= 0"));
   add_max_restarts(app, o, "restart the workers of every node from the newest checkpoint");
   app.add_option("--resume", o.resume,
-                 "Continue from a checkpoint directory, or 'auto': <path>/checkpoint when it holds one")
+                 "Continue from a checkpoint directory; 'auto': <path>/checkpoint when it holds one; 'never' (the "
+                 "default): start afresh")
       ->check(printable("a path without newlines or other control characters"));
   app.add_option("--amp", o.amp,
                  "Mixed precision: forward and loss under autocast to bf16 or fp16 (fp16 with an agreed loss scale); "
@@ -268,6 +269,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
   }
 
   settle_launch_flags(app, o, env);
+  if (o.resume == "never") o.resume.clear();
 
   ps.use_error_feedback(!no_error_feedback);
   ps.warm_start(!no_warm_start);

@@ -65,7 +65,7 @@ struct Options {
   int checkpoint_every = 1;   // epochs between checkpoints into <path>/checkpoint; 0: none
   std::int64_t checkpoint_steps = 0;  // also every this many steps; 0: by epoch only
   int max_restarts = 0;       // restarts of the whole node after a worker fails (torchrun's --max-restarts)
-  std::string resume;         // a checkpoint directory, "auto" (<path>/checkpoint if any), or "" (none)
+  std::string resume;         // a checkpoint directory, "auto" (<path>/checkpoint if any), or "" (none; "never" on the command line)
 
   // --- Precision and accumulation (not the reference's: recorded in
   // arguments only when not their default, so a default run's logs and

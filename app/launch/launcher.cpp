@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <c10/util/hash.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <chrono>
@@ -12,6 +13,7 @@
 #include <sstream>
 #include <thread>
 
+#include "app/base/faults.hpp"
 #include "app/base/files.hpp"
 #include "comm/store.hpp"
 #include "app/launch/restart_rounds.hpp"
@@ -29,6 +31,26 @@ constexpr auto kGracePeriod = std::chrono::seconds(5);  // SIGTERM, then SIGKILL
 // For workers to finish their step and checkpoint it after a preemption
 // signal (Slurm's KillWait is 30 s by default, --signal=USR1@60 gives 60).
 constexpr auto kPreemptionGrace = std::chrono::seconds(60);
+// At the store's root, outside every job's prefix: node 0's salted digest
+// of its secret, and a node's word that its own differs.
+const char* const kSecretCheck = "secret/check";
+const char* const kSecretDiffers = "secret/differs";
+
+// "salt:digest" of `secret` ("salt:none" without one): what another node
+// compares its own with, which tells nobody the secret.
+std::string secret_check(const std::string& secret, const std::string& salt) {
+  return salt + ":" + (secret.empty() ? "none" : c10::sha1("mnist_ddp secret check\n" + salt + "\n" + secret).str());
+}
+
+// How long a process a worker left behind has to end after SIGTERM.
+constexpr auto kOrphanGrace = std::chrono::milliseconds(2000);
+
+// The launcher as the subreaper of everything its workers start: whatever
+// is still running when it returns, or throws, is ended (supervisor.hpp).
+struct OrphansEnd {
+  OrphansEnd() { become_subreaper(); }
+  ~OrphansEnd() { end_orphans(kOrphanGrace); }
+};
 
 // What the launcher starts: this binary as mnist_ddp's workers, or a
 // program of the user's (mnist_ddp run).
@@ -54,10 +76,21 @@ class Launcher {
     const int64_t data = workers_.ours ? kWorkerBytes + dataset_bytes(opts_.data_dir, opts_.dataset) : 0;
     check_workers_fit(opts_, placement_, data, static_cast<int>(std::thread::hardware_concurrency()),
                       available_memory());
+    // The nodes' secret, read where several nodes need it (and a bad file
+    // refused before anything opens).
+    std::string secret;
+    if (opts_.nnodes > 1) {
+      std::string warning;
+      secret = env_.secret.read(&warning);
+      if (!warning.empty()) std::cerr << "mnist_ddp: warning: " << warning << std::endl;
+    }
     if (const int code = open_job_store(); code >= 0) return code;
+    if (const int code = hold_for_test(); code >= 0) return code;
+    if (opts_.nnodes > 1)
+      if (const int code = compare_secrets(secret); code >= 0) return code;
     // Every key of the job under a prefix no other process can name (store.hpp,
     // "Note on neighbours"): drawn here for one node, from the secret for several.
-    prefix_ = !env_.secret.empty() ? prefix_for_secret(env_.secret) : opts_.nnodes == 1 ? random_prefix() : "";
+    prefix_ = !secret.empty() ? prefix_for_secret(secret) : opts_.nnodes == 1 ? random_prefix() : "";
     if (prefix_.empty() && opts_.node_rank == 0)
       std::cerr << "mnist_ddp: warning: the store at " << opts_.master_addr << ":" << store_->getPort()
                 << " takes any process that reaches it at its word: give every node the same MNIST_DDP_SECRET "
@@ -72,6 +105,7 @@ class Launcher {
     for (int round = 0;; ++round) {
       round_ = round;
       const int code = supervise(rounds, round, start_workers(round, argv, launched));
+      end_orphans(kOrphanGrace);  // what the workers left running ends with them
       const bool again = code != 0 && !interrupted_ && code != 2 && round < opts_.max_restarts;
       RestartRounds::Outcome next{again, failure_};
       if (again) next = rounds.join(round + 1, failure_, [this] { return signalled(100); });
@@ -81,6 +115,7 @@ class Launcher {
           return 0;
         }
         failure_ = next.why;
+        say_no_more();
         if (!failure_.empty())
           std::cerr << "mnist_ddp: error: " << failure_
                     << (round == 0                     ? std::string()
@@ -102,6 +137,49 @@ class Launcher {
  private:
   std::chrono::milliseconds timeout() const {
     return std::chrono::milliseconds(static_cast<int64_t>(opts_.timeout * 1000));
+  }
+
+  // Faults::hold_workers_until. Returns -1, or the exit code of a signal.
+  int hold_for_test() {
+    const std::string path = faults_from(env_).hold_workers_until;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!path.empty() && !files::exists(path) && std::chrono::steady_clock::now() < deadline)
+      if (const auto event = supervisor_.wait(std::chrono::milliseconds(50)); event.signal) return on_signal(event.signal);
+    return -1;
+  }
+
+  // Whether every node has node 0's secret (store.hpp, "Note on
+  // neighbours"): node 0 leaves a salted digest of its own at the store's
+  // root (never the secret); another node compares, and a node whose secret
+  // differs says so there too, for node 0. Returns -1 when they agree, else
+  // the exit code.
+  int compare_secrets(const std::string& secret) {
+    const StoreClient client(store_, timeout(), "node 0's store");
+    if (opts_.node_rank == 0) {
+      client.set(kSecretCheck, secret_check(secret, random_prefix()));
+      return -1;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    while (client.wait({kSecretCheck}, std::chrono::milliseconds(250)).size() == 1) {
+      if (const auto event = supervisor_.wait(std::chrono::milliseconds(0)); event.signal) return on_signal(event.signal);
+      if (std::chrono::steady_clock::now() >= deadline)
+        throw std::runtime_error("node 0's store at " + opts_.master_addr + ":" + std::to_string(opts_.master_port) +
+                                 " says nothing of its secret after " + std::to_string(static_cast<int64_t>(opts_.timeout)) +
+                                 " s: is it mnist_ddp's node 0?");
+    }
+    const std::string theirs = client.get(kSecretCheck);
+    const std::string salt = theirs.substr(0, theirs.find(':'));
+    if (secret_check(secret, salt) == theirs) return -1;
+    const std::string node = "node " + std::to_string(opts_.node_rank);
+    const std::string why =
+        secret.empty() ? node + " has no secret and node 0 has one"
+        : theirs.find(":none") != std::string::npos ? node + " has a secret and node 0 has none"
+                                                      : node + "'s secret differs from node 0's";
+    try {
+      client.set(kSecretDiffers, why);
+    } catch (const std::exception&) {
+    }
+    throw UsageError(why + ": give every node the same MNIST_DDP_SECRET or MNIST_DDP_SECRET_FILE (docs/clusters.md)");
   }
 
   // The store outlives the workers, so the nodes can agree on a restart
@@ -168,6 +246,20 @@ class Launcher {
                                                            : std::chrono::milliseconds(-1));
       if (event.signal) return on_signal(event.signal);
       if (event.failure) return on_failure(*event.failure, round);
+      if (opts_.nnodes > 1 && opts_.node_rank == 0 && round == 0) {
+        const StoreClient client(store_, timeout(), "the store");
+        if (client.check({kSecretDiffers})) {
+          failure_ = client.get(kSecretDiffers);
+          supervisor_.stop(SIGTERM, kGracePeriod);
+          say_no_more();
+          std::cerr << "mnist_ddp: error: " << failure_
+                    << ": give every node the same MNIST_DDP_SECRET or MNIST_DDP_SECRET_FILE (docs/clusters.md)"
+                    << std::endl;
+          failure_.clear();
+          interrupted_ = true;
+          return 2;
+        }
+      }
       if (auto cause = rounds.requested(round + 1)) {
         // Another node lost a worker: this node's workers wait on it in
         // vain, and start again with it.
@@ -230,7 +322,8 @@ class Launcher {
       supervisor_.stop(sig, kPreemptionGrace);
     } else {
       std::cout << "KeyboardInterrupt received. Terminating processes..." << std::endl;
-      supervisor_.stop(SIGTERM, kGracePeriod);
+      // Our workers checkpoint on a hangup too, and name it.
+      supervisor_.stop(sig == SIGHUP && workers_.ours ? SIGHUP : SIGTERM, kGracePeriod);
     }
     failure_.clear();
     return 128 + sig;
@@ -292,6 +385,7 @@ std::unique_ptr<files::DirectoryLock> preflight(const Options& opts) {
 
 int run_launcher(const Options& opts, const Placement& placement, const Environment& env,
                  const std::vector<std::string>& argv, const sigset_t& original_mask) {
+  const OrphansEnd orphans;
   Launcher launcher(opts, placement, env, {"/proc/self/exe", argv, true}, original_mask);
   return launcher.run();
 }
@@ -314,6 +408,7 @@ std::string find_program(const std::string& name, const Environment& env) {
 
 int run_program(const Options& opts, const Placement& placement, const Environment& env,
                 const std::vector<std::string>& program, const sigset_t& original_mask) {
+  const OrphansEnd orphans;
   Launcher launcher(opts, placement, env, {find_program(program.front(), env), program, false}, original_mask);
   return launcher.run();
 }

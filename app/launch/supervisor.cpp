@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <dirent.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
@@ -9,6 +10,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <thread>
@@ -147,16 +150,78 @@ Supervisor::Event Supervisor::wait(std::chrono::milliseconds timeout, std::chron
       if (info.ssi_signo != SIGCHLD) return {static_cast<int>(info.ssi_signo), std::nullopt};
     if (std::optional<Failure> failure = reap()) {
       // A child that lost its peer or the store: give the others a moment
-      // to exit with the cause.
-      const auto until = std::chrono::steady_clock::now() + cause_wait;
-      while (failure->echo() && any_running() && std::chrono::steady_clock::now() < until) {
+      // to exit with the cause. A program's failure: a moment to say theirs.
+      const bool program = !failure->report && WIFEXITED(failure->status);
+      const auto until = std::chrono::steady_clock::now() +
+                         (program ? std::min<std::chrono::milliseconds>(cause_wait, std::chrono::seconds(1)) : cause_wait);
+      while ((failure->echo() || program) && any_running() && std::chrono::steady_clock::now() < until) {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        if (auto other = reap(); other && !other->echo()) failure = other;
+        if (auto other = reap(); other && failure->echo() && !other->echo()) failure = other;
       }
       return {0, failure};
     }
     if (!any_running() || (timeout.count() >= 0 && std::chrono::steady_clock::now() >= deadline)) return {};
   }
+}
+
+void become_subreaper() {
+  if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) fail_errno("prctl(PR_SET_CHILD_SUBREAPER)");
+}
+
+namespace {
+
+// This process's children now, from /proc (an orphan a subreaper inherits
+// is its child there at once).
+std::vector<pid_t> children_of_this_process() {
+  std::vector<pid_t> out;
+  const pid_t self = getpid();
+  DIR* proc = opendir("/proc");
+  if (!proc) return out;
+  while (const dirent* entry = readdir(proc)) {
+    char* end = nullptr;
+    const long pid = std::strtol(entry->d_name, &end, 10);
+    if (*end != '\0' || pid <= 1 || pid == self) continue;
+    char path[64];
+    std::snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+    FILE* f = std::fopen(path, "r");
+    if (!f) continue;
+    char line[512];
+    const bool read = std::fgets(line, sizeof line, f) != nullptr;
+    std::fclose(f);
+    if (!read) continue;
+    const char* after = std::strrchr(line, ')');  // the command may hold spaces and parentheses
+    long ppid = -1;
+    char state = 0;
+    if (after && std::sscanf(after + 1, " %c %ld", &state, &ppid) == 2 && ppid == self) out.push_back(static_cast<pid_t>(pid));
+  }
+  closedir(proc);
+  return out;
+}
+
+}  // namespace
+
+int end_orphans(std::chrono::milliseconds grace) {
+  int ended = 0;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  for (std::vector<pid_t> found = children_of_this_process(); !found.empty() && std::chrono::steady_clock::now() < give_up;
+       found = children_of_this_process()) {
+    for (pid_t pid : found) kill(pid, SIGTERM);
+    const auto deadline = std::chrono::steady_clock::now() + grace;
+    std::vector<pid_t> left = found;
+    while (!left.empty()) {
+      left.erase(std::remove_if(left.begin(), left.end(), [&](pid_t pid) { return waitpid(pid, nullptr, WNOHANG) == pid; }),
+                 left.end());
+      if (left.empty()) break;
+      if (std::chrono::steady_clock::now() > deadline) {
+        for (pid_t pid : left) kill(pid, SIGKILL);
+        for (pid_t pid : left) waitpid(pid, nullptr, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ended += static_cast<int>(found.size());
+  }
+  return ended;
 }
 
 void Supervisor::stop(int sig, std::chrono::steady_clock::duration grace) {

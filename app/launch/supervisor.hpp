@@ -37,6 +37,18 @@ std::string describe_status(int status);
 // The exit code a wait status stands for: the status, or 128 + the signal.
 int exit_code_of(int status);
 
+// Makes this process the subreaper of what it starts (PR_SET_CHILD_SUBREAPER):
+// a descendant whose parent ends (a worker's background process, one under
+// setsid or daemon()) becomes this process's child, not init's. The
+// launcher's, once, before it starts workers.
+void become_subreaper();
+// Ends what a subreaper inherited: every child of this process once its
+// Supervisor's children are reaped gets SIGTERM, SIGKILL after `grace`,
+// and is reaped; again, until no child is left (the orphans' own children
+// come next). Only for a process whose every child is a Supervisor's or
+// inherited (the launcher). Returns how many it ended.
+int end_orphans(std::chrono::milliseconds grace);
+
 class Supervisor {
  public:
   // A child that ended unsuccessfully.
@@ -74,7 +86,11 @@ class Supervisor {
   // Waits up to `timeout` (negative: without limit) for a signal to this
   // process or a child's failure, reaping children as they exit. A failure
   // that only echoes another's (WorkerError::echo) waits up to
-  // `cause_wait` for the cause from another child.
+  // `cause_wait` for the cause from another child. A program that exited
+  // with a failing code and said nothing to us (mnist_ddp run's) gives the
+  // others up to a second to end on their own: ranks that fail together
+  // (a collective the library names on every rank, the same mistake on
+  // each) each print their own line before they are stopped.
   Event wait(std::chrono::milliseconds timeout,
              std::chrono::milliseconds cause_wait = std::chrono::seconds(3));
 

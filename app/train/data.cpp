@@ -71,7 +71,7 @@ class IdxFile {
       announced += (announced.empty() ? "" : "x") + std::to_string(d);
     }
     if (check_size) {
-      const int64_t held = data_bytes(4 + 4 * static_cast<int64_t>(dims));
+      const int64_t held = data_bytes(4 + 4 * static_cast<int64_t>(dims), values);
       if (held >= 0 && held != values % (int64_t{1} << 32) && held != values)
         throw DataError("data file " + path_ + ": " + (held < values ? "truncated" : "has bytes past the end") +
                         ": its header announces " + announced + " values, the file holds " + std::to_string(held) +
@@ -81,9 +81,11 @@ class IdxFile {
   }
 
   // The bytes past the header: the file's size for a plain file; for a gzip
-  // file its trailer's ISIZE (the uncompressed size modulo 2^32). -1 when
-  // neither can be read.
-  int64_t data_bytes(int64_t header_bytes) const {
+  // file its trailer's ISIZE (the uncompressed size modulo 2^32) where that
+  // is the `values` announced, else as many as it inflates to, counted up to
+  // one past them (a file cut short ends in no trailer). -1 when neither
+  // can be read.
+  int64_t data_bytes(int64_t header_bytes, int64_t values) const {
     struct stat st;
     if (stat(path_.c_str(), &st) != 0) return -1;
     std::unique_ptr<FILE, int (*)(FILE*)> raw(std::fopen(path_.c_str(), "rb"), &std::fclose);
@@ -92,7 +94,18 @@ class IdxFile {
     if (b[0] != 0x1f || b[1] != 0x8b) return static_cast<int64_t>(st.st_size) - header_bytes;
     if (st.st_size < 18 || std::fseek(raw.get(), -4, SEEK_END) != 0 || std::fread(b, 1, 4, raw.get()) != 4) return -1;
     const uint32_t size = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
-    return (static_cast<int64_t>(size) - header_bytes + (int64_t{1} << 32)) % (int64_t{1} << 32);
+    const int64_t trailer = (static_cast<int64_t>(size) - header_bytes + (int64_t{1} << 32)) % (int64_t{1} << 32);
+    if (trailer == values % (int64_t{1} << 32)) return trailer;
+    std::unique_ptr<gzFile_s, int (*)(gzFile)> gz(gzopen(path_.c_str(), "rb"), &gzclose);
+    if (!gz) return -1;
+    std::vector<char> chunk(1 << 20);
+    int64_t inflated = 0;
+    while (inflated <= header_bytes + values) {
+      const int n = gzread(gz.get(), chunk.data(), static_cast<unsigned>(chunk.size()));
+      if (n <= 0) break;
+      inflated += n;
+    }
+    return inflated - header_bytes;
   }
 
   void expect_end() {

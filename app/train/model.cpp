@@ -2,7 +2,7 @@
 
 #include "app/train/layers.hpp"
 #include "mnist_ddp/parallel/sync_batch_norm.hpp"
-#include "parallel/batch_norm_relu.hpp"
+#include "parallel/norm.hpp"
 
 namespace mnist_ddp {
 

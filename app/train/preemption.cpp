@@ -9,6 +9,9 @@
 namespace mnist_ddp {
 namespace {
 
+// In the order a vote prefers them.
+constexpr int kStopSignals[] = {SIGTERM, SIGHUP, SIGUSR1};
+
 std::atomic<int> g_preemption_signal{0};
 
 void on_preemption_signal(int sig) { g_preemption_signal = sig; }
@@ -20,11 +23,11 @@ void catch_preemption_signals() {
   action.sa_handler = on_preemption_signal;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;
-  for (int sig : {SIGTERM, SIGUSR1}) sigaction(sig, &action, nullptr);
+  for (int sig : kStopSignals) sigaction(sig, &action, nullptr);
 }
 
 std::string signal_name(int sig) {
-  return sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" : "signal " + std::to_string(sig);
+  return sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" : sig == SIGHUP ? "SIGHUP" : "signal " + std::to_string(sig);
 }
 
 int preemption_signal() { return g_preemption_signal; }
@@ -34,11 +37,15 @@ int StopVote::after_step() {
   if (votes_.defined()) {
     quick_stream(group_)->wait(ticket_);
     const torch::Tensor votes = votes_.cpu();
-    agreed = votes[0].item<double>() > 0 ? SIGTERM : votes[1].item<double>() > 0 ? SIGUSR1 : 0;
+    for (int i = 2; i >= 0; --i)
+      if (votes[i].item<double>() > 0) agreed = kStopSignals[i];
   }
   const int mine = preemption_signal();
-  votes_ = torch::tensor({mine == SIGTERM ? 1.0 : 0.0, mine == SIGUSR1 ? 1.0 : 0.0}, torch::kFloat64).to(group_.device());
-  ticket_ = quick_stream(group_)->post([votes = votes_](Channel& c) { c.allreduce_sum(votes)->waitAndThrow(); });
+  std::vector<double> seen;
+  for (int sig : kStopSignals) seen.push_back(mine == sig ? 1.0 : 0.0);
+  votes_ = torch::tensor(seen, torch::kFloat64).to(group_.device());
+  ticket_ = quick_stream(group_)->post([votes = votes_](Channel& c) { c.allreduce_sum(votes)->waitAndThrow(); },
+                                       "the stop vote after a step");
   return agreed;
 }
 

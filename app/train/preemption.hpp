@@ -1,5 +1,5 @@
-// Preemption: a SIGTERM or SIGUSR1 (from a scheduler, or passed on by the
-// launcher) becomes a step that every rank stops after, and rank 0
+// Preemption: a SIGTERM, SIGHUP or SIGUSR1 (from a scheduler, or passed on
+// by the launcher) becomes a step that every rank stops after, and rank 0
 // checkpoints. The votes travel on the job's quick lane.
 //
 // From catch_preemption_signals() on, those signals no longer end the
@@ -20,7 +20,7 @@ namespace mnist_ddp {
 void catch_preemption_signals();
 // The preemption signal this process has caught, or 0.
 int preemption_signal();
-// "SIGTERM", "SIGUSR1", or "signal N".
+// "SIGTERM", "SIGHUP", "SIGUSR1", or "signal N".
 std::string signal_name(int sig);
 
 class StopVote {
@@ -34,7 +34,7 @@ class StopVote {
 
  private:
   ProcessGroup& group_;
-  torch::Tensor votes_;  // [SIGTERM seen, SIGUSR1 seen], summed over ranks
+  torch::Tensor votes_;  // [SIGTERM seen, SIGHUP seen, SIGUSR1 seen], summed over ranks
   CollectiveStream::Ticket ticket_ = 0;
 };
 

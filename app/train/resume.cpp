@@ -79,6 +79,29 @@ const std::vector<std::string> kHookArguments = {"powersgd_rank", "start_powersg
                                                  "no_error_feedback", "no_warm_start", "orthogonalization_epsilon",
                                                  "powersgd_seed", "bucket_cap_mb"};
 
+// The arguments that set what each step computes, and so make a resumed
+// run differ from one never stopped where they change.
+const std::vector<std::string> kStepArguments = {"amp", "accumulate", "batch_size", "epochs", "lr",
+                                                 "momentum", "weight_decay", "backend"};
+
+// "--amp bf16 (this run: none), ..." for each of kStepArguments `c` was
+// written with another value of; "" when none changed. --amp none and
+// --accumulate 1 go unrecorded (options.hpp, record_arguments).
+std::string changed_steps(const Checkpoint& c, const Options& opts) {
+  auto or_default = [](const std::string& name, const std::string& value) {
+    return !value.empty() ? value : name == "amp" ? "none" : name == "accumulate" ? "1" : "";
+  };
+  std::string out;
+  for (const std::string& name : kStepArguments) {
+    const std::string then = or_default(name, recorded(c, name)), now = or_default(name, now_given(opts, name));
+    if (then.empty() || then == now) continue;
+    std::string flag = "--" + name;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    out += (out.empty() ? "" : ", ") + flag + " " + then + " (this run: " + now + ")";
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string checkpoint_dir(const Options& opts) { return files::join(opts.path, "checkpoint"); }
@@ -86,13 +109,15 @@ std::string checkpoint_dir(const Options& opts) { return files::join(opts.path, 
 std::string resume_dir(const Options& opts) {
   if (opts.resume != "auto") return opts.resume;
   // A fresh start only where there is truly nothing: no such directory, or
-  // one without a manifest (empty, or a first save cut short before its
-  // manifest). Anything else is resumed from, or refused saying why.
+  // one without a manifest that holds no model or training file but a first
+  // save's cut short before its manifest. Anything else is resumed from
+  // (without a manifest, from the newest pair that verifies), or refused
+  // saying why.
   const std::string dir = checkpoint_dir(opts);
   struct stat st;
   if (lstat(dir.c_str(), &st) != 0 && errno == ENOENT) return "";
   const bool readable = S_ISDIR(st.st_mode) && access(dir.c_str(), R_OK | X_OK) == 0;
-  return readable && !has_checkpoint(dir) ? "" : dir;
+  return readable && first_saves_cut_short(dir) ? "" : dir;
 }
 
 void check_resumable(const Checkpoint& c, const Options& opts, const std::string& dir) {
@@ -121,20 +146,22 @@ std::optional<Checkpoint> receive_checkpoint(const Options& opts, ProcessGroup& 
     files = read_checkpoint_files(files.dir);
     if (!files.fallback.empty()) spdlog::warn("{}", files.fallback);
   }
-  bulk_stream(group)->broadcast_bytes(files.manifest);
+  bulk_stream(group)->broadcast_bytes(files.manifest, "the resume: rank 0's checkpoint");
   if (files.manifest.empty()) {
     if (opts.resume == "auto" && group.rank() == 0) {
-      const std::vector<std::string> found = checkpoint_leftovers(checkpoint_dir(opts));
+      const std::string dir = checkpoint_dir(opts);
+      const std::vector<std::string> found = files::is_directory(dir) ? first_saves_cut_short(dir).value_or(std::vector<std::string>{}) : std::vector<std::string>{};
       if (found.empty())
-        spdlog::info("No checkpoint in {}: starting afresh", checkpoint_dir(opts));
+        spdlog::info("No checkpoint in {}: starting afresh", dir);
       else
         spdlog::warn("No checkpoint in {}: it has no manifest, only {}{} (a first save cut short before its manifest "
-                     "is written), which nothing can resume from; starting afresh",
-                     checkpoint_dir(opts), found.front(), found.size() > 1 ? " and " + std::to_string(found.size() - 1) + " more" : "");
+                     "is written), which nothing can resume from; starting afresh beside it",
+                     dir, found.front(), found.size() > 1 ? " and " + std::to_string(found.size() - 1) + " more" : "");
     }
     return std::nullopt;
   }
-  for (auto* bytes : {&files.model, &files.training}) bulk_stream(group)->broadcast_bytes(*bytes);
+  for (auto* bytes : {&files.model, &files.training})
+    bulk_stream(group)->broadcast_bytes(*bytes, "the resume: rank 0's checkpoint");
   Checkpoint c = parse_checkpoint(files);
   check_resumable(c, opts, resume_dir(opts));
   return c;
@@ -162,6 +189,10 @@ Position restore(const Checkpoint& c, const TrainingParts& parts, const Options&
       spdlog::warn("The checkpoint was written with {}: its hook state is not used by --compression {} as this run "
                    "sets it up",
                    hook_changed, opts.compression);
+    if (const std::string changed = changed_steps(c, opts); !changed.empty())
+      spdlog::warn("The checkpoint was written with {}: it goes on from the checkpoint, but will not end "
+                   "bit-identical to a run never stopped",
+                   changed);
     const std::string seed = recorded(c, "seed");
     if (!seed.empty() && seed != std::to_string(opts.seed))
       spdlog::warn("The checkpoint was written with --seed {} and this run has --seed {}: the rest of epoch {} and "
@@ -188,7 +219,7 @@ Position restore(const Checkpoint& c, const TrainingParts& parts, const Options&
       c.training.at(own + kThreads).item<int64_t>() != at::get_num_threads())
     other_threads.fill_(1);
   other_threads = other_threads.to(group.device());
-  quick_stream(group)->allreduce_sum(other_threads);
+  quick_stream(group)->allreduce_sum(other_threads, "the resume: the ranks' thread counts");
   if (group.rank() == 0 && other_threads.cpu().item<double>() > 0)
     spdlog::warn("The checkpoint was written with {} intra-op thread(s) on rank 0 and this run has {} ({} rank(s) "
                  "differ): it goes on from the checkpoint, but will not end bit-identical to a run never stopped, "
@@ -218,7 +249,7 @@ std::optional<Checkpoint> capture(const Position& at, const torch::nn::Module& m
                                   const Options& opts, const Arguments& arguments, const ProcessGroup& group) {
   // Every rank's own state on rank 0: the same names in the same order everywhere.
   std::vector<std::pair<std::string, std::vector<torch::Tensor>>> gathered;
-  for (const auto& [key, value] : own_state(parts, group)) gathered.emplace_back(key, bulk_stream(group)->gather_to_rank0(value));
+  for (const auto& [key, value] : own_state(parts, group)) gathered.emplace_back(key, bulk_stream(group)->gather_to_rank0(value, "a checkpoint: every rank's own state"));
   if (group.rank() != 0) return std::nullopt;
 
   Checkpoint c;

@@ -43,6 +43,17 @@ std::pair<torch::Tensor, torch::Tensor> correct_counts(const torch::Tensor& outp
   return {hit.select(1, 0).sum(), hit.sum()};
 }
 
+// A run that starts afresh never writes over an earlier run's best model:
+// it keeps it beside its own, under the first free mnist_model.kept-<n>.pt.
+void keep_earlier_model(const files::Directory& dir) {
+  if (!dir.has("mnist_model.pt")) return;
+  std::string kept;
+  for (int n = 1; kept.empty() || dir.has(kept); ++n) kept = "mnist_model.kept-" + std::to_string(n) + ".pt";
+  dir.rename("mnist_model.pt", kept);
+  spdlog::warn("{} holds an earlier run's best model, and this run starts afresh: it is kept as {}",
+               dir.path_of("mnist_model.pt"), dir.path_of(kept));
+}
+
 // Cosine annealing to 0 over --epochs, stepped once per epoch.
 double cosine_lr(const Options& opts, int64_t epoch) {
   return opts.lr * (1 + std::cos(M_PI * static_cast<double>(epoch) / static_cast<double>(opts.epochs))) / 2;
@@ -105,7 +116,7 @@ std::array<double, 3> test_metrics(NetDdp& ddp, const Dataset& data, const torch
     local[3] += static_cast<double>(y.size(0));
   }
   auto sums = torch::tensor({local[0], local[1], local[2], local[3]}, torch::kFloat64).to(group.device());
-  quick_stream(group)->allreduce_sum(sums);
+  quick_stream(group)->allreduce_sum(sums, "the test metrics");
   sums = sums.cpu();
   const auto s = sums.accessor<double, 1>();
   return {s[0] / s[3], 100.0 * s[1] / s[3], 100.0 * s[2] / s[3]};
@@ -163,8 +174,10 @@ Trainer::Trainer(const Options& opts, const RunContext& run, ProcessGroup& group
   if (resumed) at_ = restore(*resumed, parts(), opts, group);
   // A finished run resumed trains nothing, and touches none of its files.
   finished_ = resumed && (at_.epoch >= opts.epochs || max_steps_reached());
+  lineage_ = resumed && !resumed->lineage.empty() ? resumed->lineage : new_lineage();
   if (group.rank() == 0 && !finished_) {
     dir_.emplace(opts.path);
+    if (!resumed) keep_earlier_model(*dir_);
     metrics_.emplace(*dir_, resumed ? at_.step : -1);
     std::optional<ResumedFrom> from;
     if (resumed) from = ResumedFrom{resume_dir(opts), at_.epoch, at_.batch, at_.step};
@@ -176,11 +189,11 @@ Trainer::Trainer(const Options& opts, const RunContext& run, ProcessGroup& group
 int Trainer::run() {
   catch_preemption_signals();
   if (finished_) {
-    spdlog::info("Nothing to train: the checkpoint in {} has finished {}; every file is left as it was",
+    spdlog::info("Nothing to train: the checkpoint in {} has finished {}; no file is written but this log",
                  resume_dir(opts_),
                  at_.epoch >= opts_.epochs ? "all " + std::to_string(opts_.epochs) + " epochs"
                                            : "its --max-steps " + std::to_string(opts_.max_steps) + " steps");
-    bulk_stream(group_)->barrier();
+    bulk_stream(group_)->barrier("the end of training");
     return 0;
   }
   for (int64_t epoch = at_.epoch; epoch < opts_.epochs && !max_steps_reached(); ++epoch) {
@@ -211,7 +224,7 @@ int Trainer::stop(int sig) {
     summary_->set("preempted", Json(signal_name(sig)));
     summary_->write();
   }
-  bulk_stream(group_)->barrier();  // nobody leaves while a peer still needs the store
+  bulk_stream(group_)->barrier("the end of training");  // nobody leaves while a peer still needs the store
   return sig;
 }
 
@@ -348,7 +361,7 @@ void Trainer::log_train(EpochReport& report, int64_t batch, int64_t batches, con
   // Every rank's loss and accuracies, averaged over ranks as the reference does.
   auto metrics = torch::stack({loss.detach().to(torch::kFloat64), top1.to(torch::kFloat64) * percent,
                                top5.to(torch::kFloat64) * percent});
-  quick_stream(group_)->allreduce_sum(metrics);
+  quick_stream(group_)->allreduce_sum(metrics, "the training metrics");
   metrics = (metrics / group_.world_size()).cpu();
   const auto m = metrics.accessor<double, 1>();
   report.train_loss = m[0];
@@ -377,8 +390,9 @@ void Trainer::test(EpochReport& report) {
 }
 
 void Trainer::save_checkpoint() {
-  const std::optional<Checkpoint> c = capture(at_, *ddp_->module(), parts(), opts_, run_.arguments, group_);
+  std::optional<Checkpoint> c = capture(at_, *ddp_->module(), parts(), opts_, run_.arguments, group_);
   if (!c) return;  // not rank 0
+  c->lineage = lineage_;
   const std::string dir = checkpoint_dir(opts_);
   std::function<void(const std::string&)> after_each_write;
   if (run_.faults.kill_at_write > 0)
@@ -406,7 +420,7 @@ void Trainer::finish() {
   }
   // Checked after each epoch; no epoch run: as DDP broadcast them.
   spdlog::info("Replicas: all {} ranks hold identical parameters", group_.world_size());
-  bulk_stream(group_)->barrier();  // nobody leaves while a peer still needs the store
+  bulk_stream(group_)->barrier("the end of training");  // nobody leaves while a peer still needs the store
 }
 
 }  // namespace mnist_ddp

@@ -91,6 +91,7 @@ class Trainer {
   int replica_checks_ = 0;
   int stop_signal_ = 0;  // the preemption signal the ranks agreed to stop on
   bool finished_ = false;  // resumed from a checkpoint that has nothing left to train
+  std::string lineage_;    // its checkpoint files' (checkpoint.hpp): the resumed manifest's, or a new one
   std::optional<files::RunDirectory> dir_;  // rank 0: --path
   std::optional<MetricsFile> metrics_;  // rank 0
   std::optional<RunSummary> summary_;   // rank 0
