@@ -36,6 +36,13 @@ class Hostile : public test::JobsOnThisMachine {
     args.insert(args.end(), extra.begin(), extra.end());
     return args;
   }
+  // Node `rank` of a job of two nodes with a worker each, in dir_/node<rank>.
+  std::vector<std::string> node_of_two(int rank, std::vector<std::string> extra) {
+    std::vector<std::string> args = {"--nnodes", "2", "--node-rank", std::to_string(rank), "--nproc", "1",
+                                     "--master-port", port_};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return job(dir_ / ("node" + std::to_string(rank)), args);
+  }
 };
 
 // A client of the store at `port` that writes what it likes: a neighbour.
@@ -117,11 +124,7 @@ TEST_F(Hostile, ANeighbourOnTheStoreCannotSteerAJobOnOneNode) {
 // node's word. Then node 1's launcher is preempted: every rank stops after
 // one step, and node 0 names node 1, without an error line on either.
 TEST_F(Hostile, NodesSharingASecretTakeNoNeighboursWordAndAPreemptedNodeIsNamed) {
-  auto node = [&](int rank) {
-    return job(dir_ / ("node" + std::to_string(rank)),
-               {"--nnodes", "2", "--node-rank", std::to_string(rank), "--nproc", "1", "--master-port", port_,
-                "--epochs", "30", "--checkpoint-steps", "3"});
-  };
+  auto node = [&](int rank) { return node_of_two(rank, {"--epochs", "30", "--checkpoint-steps", "3"}); };
   const std::vector<std::string> env = {"MNIST_DDP_SECRET=our job's own"};
   Process node1(node(1), dir_ / "node1.txt", env);
   Process node0(node(0), dir_ / "node0.txt", env);
@@ -269,9 +272,7 @@ TEST_F(Hostile, ASecretThatCannotBeReadOrDiffersIsOneLine) {
   test::write_file(dir_ / "shared", "ours\n", false);
   chmod((dir_ / "shared").c_str(), 0644);
   auto node = [&](int rank, const std::string& timeout = "10") {
-    return job(dir_ / ("node" + std::to_string(rank)),
-               {"--nnodes", "2", "--node-rank", std::to_string(rank), "--nproc", "1", "--master-port", port_,
-                "--epochs", "1", "--timeout", timeout});
+    return node_of_two(rank, {"--epochs", "1", "--timeout", timeout});
   };
   for (const auto& [file, why] : std::vector<std::pair<std::string, std::string>>{
            {dir_ / "no-such-file", ": No such file or directory"}, {dir_ / "a-dir", " is a directory, not a file"},
@@ -312,11 +313,7 @@ TEST_F(Hostile, ASecretThatCannotBeReadOrDiffersIsOneLine) {
 // nodes meet. The store stalls; each node ends in one line and a non-zero
 // exit, never an abort.
 TEST_F(Hostile, AOneByteNeighbourDuringTheRendezvousOfTwoNodesEndsEachInOneLine) {
-  auto node = [&](int rank) {
-    return job(dir_ / ("node" + std::to_string(rank)),
-               {"--nnodes", "2", "--node-rank", std::to_string(rank), "--nproc", "1", "--master-port", port_,
-                "--epochs", "1", "--timeout", "4"});
-  };
+  auto node = [&](int rank) { return node_of_two(rank, {"--epochs", "1", "--timeout", "4"}); };
   const std::vector<std::string> env = {"MNIST_DDP_SECRET=our job's own"};
   Process node0(node(0), dir_ / "node0.txt", env);
   int neighbour = -1;

@@ -451,14 +451,20 @@ struct ManyNormsImpl : torch::nn::Module {
 };
 TORCH_MODULE(ManyNorms);
 
+// What convert_sync_batchnorm refuses `model` with ("" where it does not).
+template <typename Model>
+std::string conversion_refusal(Model& model) {
+  try {
+    convert_sync_batchnorm(model);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
 TEST(Library, ANormLayerTheConversionCannotReachIsRefusedNamingItAndNothingChanges) {
   MemberNorm member;
-  std::string error;
-  try {
-    convert_sync_batchnorm(member);
-  } catch (const UsageError& e) {
-    error = e.what();
-  }
+  std::string error = conversion_refusal(member);
   EXPECT_NE(error.find("convert_sync_batchnorm: 1 layer "), std::string::npos) << error;
   EXPECT_NE(error.find("bn (a torch::nn::BatchNorm2d also held by a member"), std::string::npos) << error;
   EXPECT_NE(error.find("mnist_ddp::SyncBatchNorm(6)"), std::string::npos) << error;
@@ -466,22 +472,12 @@ TEST(Library, ANormLayerTheConversionCannotReachIsRefusedNamingItAndNothingChang
   EXPECT_TRUE(member->named_children()["bn"]->as<torch::nn::BatchNorm2dImpl>()) << "the model was changed";
 
   ListNorm list;
-  error.clear();
-  try {
-    convert_sync_batchnorm(list);
-  } catch (const UsageError& e) {
-    error = e.what();
-  }
+  error = conversion_refusal(list);
   EXPECT_NE(error.find("layers.0 (a torch::nn::BatchNorm1d in a torch::nn::ModuleList"), std::string::npos) << error;
   EXPECT_TRUE(list->layers[0]->as<torch::nn::BatchNorm1dImpl>());
 
   ManyNorms many;
-  error.clear();
-  try {
-    convert_sync_batchnorm(many);
-  } catch (const UsageError& e) {
-    error = e.what();
-  }
+  error = conversion_refusal(many);
   EXPECT_NE(error.find("convert_sync_batchnorm: 2 layers "), std::string::npos) << error;
   EXPECT_NE(error.find("bn (a torch::nn::BatchNorm2d"), std::string::npos) << error;
   EXPECT_NE(error.find("layers.0 (a torch::nn::BatchNorm1d"), std::string::npos) << error;
