@@ -127,15 +127,16 @@ Channel::Checked Channel::check(Op op, const torch::Tensor& tensor, int root) {
       {kActive, print, static_cast<int64_t>(op), tensor.defined() ? static_cast<int64_t>(tensor.scalar_type()) : -1,
        tensor.defined() ? tensor.numel() : 0, root, 0},
       what);
+  const auto row = rows.accessor<int64_t, 2>();  // every collective passes here: no tensor per field
   int highest_active = -1;
   checked.active = 0;
   for (int r = 0; r < world_size(); ++r) {
-    if (rows[r][kState].item<int64_t>() == kJoined) continue;
-    if (rows[r][kFingerprint].item<int64_t>() != print) mismatch(rows, what);
+    if (row[r][kState] == kJoined) continue;
+    if (row[r][kFingerprint] != print) mismatch(rows, what);
     ++checked.active;
     highest_active = r;
   }
-  if (root == kAuthority && rows[0][kState].item<int64_t>() == kJoined) checked.root = highest_active;
+  if (root == kAuthority && row[0][kState] == kJoined) checked.root = highest_active;
   std::lock_guard<std::mutex> lock(lane_->mutex);
   ++lane_->passed;
   return checked;

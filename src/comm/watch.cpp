@@ -207,13 +207,17 @@ void CollectiveWatch::stalled(LaneState& lane, Wait& wait) {
   }
   const auto now = Clock::now();
   if (now - wait.since < kFirstLook) return;
-  // Another rank's verdict, if one has come: this rank ends with it.
-  try {
-    if (beat_->client.check({kVerdict})) end_with(beat_->client.get(kVerdict));
-  } catch (const CollectiveMismatch&) {
-    throw;
-  } catch (const std::exception&) {
-    return;  // the store does not answer: the wait's own timeout will say so
+  // Another rank's verdict, if one has come: this rank ends with it. Looked
+  // for ten times a second (a shared-memory wait calls this every 5 ms).
+  if (now >= wait.next_verdict) {
+    wait.next_verdict = now + std::chrono::milliseconds(100);
+    try {
+      if (beat_->client.check({kVerdict})) end_with(beat_->client.get(kVerdict));
+    } catch (const CollectiveMismatch&) {
+      throw;
+    } catch (const std::exception&) {
+      return;  // the store does not answer: the wait's own timeout will say so
+    }
   }
   if (now < wait.next_look) return;
   wait.next_look = now + std::chrono::milliseconds(500);

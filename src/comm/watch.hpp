@@ -69,6 +69,7 @@ class CollectiveWatch {
   struct Wait {
     std::chrono::steady_clock::time_point since = std::chrono::steady_clock::now();
     std::chrono::steady_clock::time_point next_look{};
+    std::chrono::steady_clock::time_point next_verdict{};  // when to look for another rank's verdict
     std::optional<std::map<int, std::string>> first;  // every rank's heartbeat at the first look
     std::chrono::steady_clock::time_point first_at{};
   };
