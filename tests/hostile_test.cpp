@@ -134,6 +134,7 @@ TEST_F(Hostile, NodesSharingASecretTakeNoNeighboursWordAndAPreemptedNodeIsNamed)
   ASSERT_TRUE(store);
   store->set("restart/1/cause", bytes_of("node 1: a neighbour wrote this"));
   store->set("preempted/0", bytes_of("node 0: SIGUSR1"));
+  store->set("secret/differs", bytes_of("a neighbour says the secrets differ"));  // at the root: no node's line
   // The launchers look for a cause every 250 ms: the job goes on through
   // two more checkpoints, which takes longer, and no node moves.
   const auto at = [&] {

@@ -148,6 +148,24 @@ class Launcher {
     return -1;
   }
 
+  // What node `node` says of its secret against node 0's: `how` 0, it has
+  // none; 1, node 0 has none; 2, they differ.
+  static std::string secret_difference(int node, int how) {
+    const std::string who = "node " + std::to_string(node);
+    return how == 0 ? who + " has no secret and node 0 has one"
+           : how == 1 ? who + " has a secret and node 0 has none"
+                      : who + "'s secret differs from node 0's";
+  }
+  // Whether `said` is one of those lines, of a node of this job: the key is
+  // outside every prefix, so a neighbour may have written it, and nothing
+  // else is printed or believed.
+  bool is_secret_difference(const std::string& said) const {
+    for (int node = 1; node < opts_.nnodes; ++node)
+      for (int how = 0; how < 3; ++how)
+        if (said == secret_difference(node, how)) return true;
+    return false;
+  }
+
   // Whether every node has node 0's secret (store.hpp, "Note on
   // neighbours"): node 0 leaves a salted digest of its own at the store's
   // root (never the secret); another node compares, and a node whose secret
@@ -170,11 +188,8 @@ class Launcher {
     const std::string theirs = client.get(kSecretCheck);
     const std::string salt = theirs.substr(0, theirs.find(':'));
     if (secret_check(secret, salt) == theirs) return -1;
-    const std::string node = "node " + std::to_string(opts_.node_rank);
-    const std::string why =
-        secret.empty() ? node + " has no secret and node 0 has one"
-        : theirs.find(":none") != std::string::npos ? node + " has a secret and node 0 has none"
-                                                      : node + "'s secret differs from node 0's";
+    const int how = secret.empty() ? 0 : theirs.find(":none") != std::string::npos ? 1 : 2;
+    const std::string why = secret_difference(opts_.node_rank, how);
     try {
       client.set(kSecretDiffers, why);
     } catch (const std::exception&) {
@@ -248,7 +263,7 @@ class Launcher {
       if (event.failure) return on_failure(*event.failure, round);
       if (opts_.nnodes > 1 && opts_.node_rank == 0 && round == 0) {
         const StoreClient client(store_, timeout(), "the store");
-        if (client.check({kSecretDiffers})) {
+        if (client.check({kSecretDiffers}) && is_secret_difference(client.get(kSecretDiffers))) {
           failure_ = client.get(kSecretDiffers);
           supervisor_.stop(SIGTERM, kGracePeriod);
           say_no_more();
