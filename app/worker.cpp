@@ -110,6 +110,14 @@ int run_worker(const Options& opts, const Environment& env, const WorkerEnv& lau
   std::string message;
   bool echo = false;  // the error only follows from another process's failure
   std::unique_ptr<files::DirectoryLock> lock;  // this job's --path, under another launcher
+  // A backend's failure (collectives.hpp), or a collective that waited the
+  // whole timeout (watch.hpp): name who went silent, unless this rank was
+  // being stopped; the peers' heartbeats take seconds.
+  auto name_silent = [&](const std::string& what) {
+    message = what;
+    echo = preemption_signal() != 0;
+    if (!echo && group && group->world_size() > 1) message = name_the_lost(*group, opts, message, echo);
+  };
   try {
     resolve_store_address(worker, opts.master_addr, given(opts, "master_addr"), opts.master_port,
                           given(opts, "master_port"));
@@ -130,7 +138,8 @@ int run_worker(const Options& opts, const Environment& env, const WorkerEnv& lau
                     .backend(backend)
                     .device(cuda_device_or_cpu(device))
                     .timeout(std::chrono::milliseconds(static_cast<int64_t>(opts.timeout * 1000)))
-                    .settings(settings)));
+                    .settings(settings)
+                    .check_collectives(opts.check_collectives)));
     if (group->rank() == 0) {
       files::make_run_directory(opts.path);
       if (!worker.ours()) lock = std::make_unique<files::DirectoryLock>(opts.path, "mnist_ddp rank 0 under " + worker.launcher);
@@ -149,11 +158,9 @@ int run_worker(const Options& opts, const Environment& env, const WorkerEnv& lau
     message = e.what();
     code = 2;
   } catch (const CollectiveFailed& e) {
-    // A backend's failure (collectives.hpp): name who went silent, unless
-    // this rank was being stopped; the peers' heartbeats take seconds.
-    message = e.what();
-    echo = preemption_signal() != 0;
-    if (!echo && group && group->world_size() > 1) message = name_the_lost(*group, opts, message, echo);
+    name_silent(e.what());
+  } catch (const CollectiveTimedOut& e) {
+    name_silent(e.what());
   } catch (const PeerLost& e) {
     message = e.what();
     echo = true;

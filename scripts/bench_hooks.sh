@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Compares the communication hooks (the reference's five and bf16), and
-# float32 against --amp bf16 and --accumulate 2 (under none): 2 Gloo worker
+# float32 against --amp bf16 and --accumulate 2 (under none), and prints
+# the collective check's cost (none and powersgd_fp16 again with
+# --no-check-collectives, in the same rounds): 2 Gloo worker
 # processes on Fashion-MNIST (or, with --gpu, one NCCL worker per GPU),
 # PowerSGD compressing from step 10. Prints one table; a step of
 # --accumulate 2 takes twice the images, so compare images/s.
@@ -48,7 +50,8 @@ bench() {
   fi
 }
 for round in $(seq 1 "$rounds"); do
-  for row in none fp16 powersgd powersgd_fp16 batched_powersgd_fp16 bf16 "none --amp bf16" "none --accumulate 2"; do
+  for row in none fp16 powersgd powersgd_fp16 batched_powersgd_fp16 bf16 "none --amp bf16" "none --accumulate 2" \
+             "none --no-check-collectives" "powersgd_fp16 --no-check-collectives"; do
     read -r -a words <<<"$row"
     name="${row// /_}"
     bench ./build/mnist_ddp "$out/$name.$round" "${words[@]}" || exit 1

@@ -12,9 +12,11 @@
 # training time (summary.json's training.seconds; Python DDP's own clock)
 # and in bytes the node-0 end of the veth sent, between a run of --steps and
 # one of --steps / 5, over the steps between them. Every hook runs on the
-# shaped link and on the same link unshaped (the compute floor), and, where
-# python3 has torch, PyTorch's Python DDP beside ours (scripts/python_ddp.py:
-# plain BatchNorm, Gloo, the hooks it can run on the CPU: none and fp16).
+# shaped link and on the same link unshaped (the compute floor), none and
+# powersgd_fp16 also with --no-check-collectives (the collective check's
+# cost), and, where python3 has torch, PyTorch's Python DDP beside ours
+# (scripts/python_ddp.py: plain BatchNorm, Gloo, the hooks it can run on
+# the CPU: none and fp16).
 # --rounds repeats everything in turn and takes medians. The namespaces and
 # every process in them go when the script ends, however it ends; where
 # namespaces cannot be made (no root, no iproute2) it says why and exits 0.
@@ -92,11 +94,13 @@ run() {
   for node in 0 1; do
     local ns="$a" dev="$va"
     [ "$node" = 1 ] && ns="$b" dev="$vb"
-    if [ "$who" = ours ]; then
+    if [ "$who" != python ]; then
+      local unchecked=()
+      [ "$who" = unchecked ] && unchecked=(--no-check-collectives)
       ip netns exec "$ns" taskset -c "$node" ./build/mnist_ddp --backend gloo --nnodes 2 --node-rank "$node" \
         --nproc 1 --master-addr 10.231.9.1 --master-port "$port" --dataset fashion-mnist --epochs 1 \
         --max-steps "$n" --compression "$hook" --start-powersgd-iter 10 --checkpoint-every 0 --log-interval 1000 \
-        --timeout 120 --path "$out/run/$node" >"$out/run/$node.txt" 2>&1 &
+        --timeout 120 --path "$out/run/$node" "${unchecked[@]}" >"$out/run/$node.txt" 2>&1 &
     else
       ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$dev" taskset -c "$node" "$python" scripts/python_ddp.py \
         --steps "$n" --dataset fashion-mnist --compression "$hook" --nnodes 2 --node-rank "$node" --nproc 1 \
@@ -110,7 +114,7 @@ run() {
     exit 1
   fi
   after=$(sent)
-  if [ "$who" = ours ]; then
+  if [ "$who" != python ]; then
     seconds=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["training"]["seconds"])' "$out/run/0/summary.json")
   else
     seconds=$(sed -n 's/^steps [0-9]* in \([0-9.]*\) s$/\1/p' "$out/run/0.txt")
@@ -122,10 +126,11 @@ results="$out/results.txt"
 for round in $(seq 1 "$rounds"); do
   for rate in none "${rates[@]}"; do
     shape "$rate"
-    for who in ours python; do
+    for who in ours unchecked python; do
       [ "$who" = python ] && [ -z "$python" ] && continue
       for hook in "${hooks[@]}"; do
         [ "$who" = python ] && [ "$hook" != none ] && [ "$hook" != fp16 ] && continue
+        [ "$who" = unchecked ] && [ "$hook" != none ] && [ "$hook" != powersgd_fp16 ] && continue
         say "round $round, link ${rate/none/unshaped}: $who $hook"
         read -r s1 b1 < <(run "$who" "$hook" "$short")
         read -r s2 b2 < <(run "$who" "$hook" "$steps")
@@ -193,6 +198,16 @@ for rate in rates:
                 name = "unshaped" if link == "none" else link
                 verdicts.append((f"{name}: {hook} at least 1.5x Python DDP ({ours:.1f} vs {py:.1f} ms)",
                                  ours / py, 1 / 1.5))
+print("The check's cost (ms/step checked against --no-check-collectives, the same rounds):\n")
+print("| link | hook | checked ms/step | unchecked ms/step | cost |")
+print("|---|---|---:|---:|---:|")
+for rate in ["none"] + rates:
+    for hook in ("none", "powersgd_fp16"):
+        on, _ = fig(rate, "ours", hook)
+        off, _ = fig(rate, "unchecked", hook)
+        if on and off:
+            print(f"| {rate.replace('none', 'unshaped')} | {hook} | {on:.1f} | {off:.1f} | {100 * (on / off - 1):+.1f}% |")
+print()
 print("Targets (ratio: measured over its bound; met at or below the bound):")
 seen = set()
 for what, ratio, most in verdicts:

@@ -31,7 +31,8 @@ def parse(run_dir):
     arguments = summary["arguments"]
     # The hook, and the precision flags where a run set them (a default run records neither).
     config = " ".join([arguments["compression"]] + [f"--{flag} {arguments[flag]}" for flag in ("amp", "accumulate")
-                                                     if flag in arguments])
+                                                     if flag in arguments]
+                      + (["--no-check-collectives"] if arguments.get("no_check_collectives") == "true" else []))
     run = {"compression": arguments["compression"], "config": config, "startup_s": summary["startup_s"]}
     training = summary["training"]
     for key in ["steps", "seconds", "images_per_s", "ms_per_step", "forward_ms", "backward_ms", "waiting_ms",
@@ -76,6 +77,21 @@ def hooks_table(run_dirs):
               f"| {r['ms_per_step']:.1f} | {r['waiting_ms']:.1f} | {int(r['bytes_per_step']):,} "
               f"| {r['ratio_to_none']:.2f}x | {r['top1']:.2f}% |")
     print(f"\nMedians of {repeats} alternating run(s) per hook, {int(none['steps'])} steps each.")
+    check_cost(runs)
+
+
+def check_cost(runs):
+    """The check's cost: each row run with --no-check-collectives beside the same row checked."""
+    off = " --no-check-collectives"
+    rows = [(name[: -len(off)], r) for name, r in runs.items() if name.endswith(off) and name[: -len(off)] in runs]
+    if not rows:
+        return
+    print("\nThe check's cost (images/s checked against unchecked, the same run):")
+    for name, unchecked in rows:
+        checked = runs[name]
+        cost = 100 * (1 - checked["images_per_s"] / unchecked["images_per_s"])
+        print(f"- {name}: {checked['images_per_s']:.0f} against {unchecked['images_per_s']:.0f} images/s, "
+              f"{cost:+.1f}% ({checked['ms_per_step']:.1f} against {unchecked['ms_per_step']:.1f} ms/step)")
 
 
 def read_facts(path):

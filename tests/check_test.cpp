@@ -6,7 +6,10 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <atomic>
+#include <condition_variable>
 #include <mutex>
+#include <thread>
 
 #include "mnist_ddp/ddp.hpp"
 #include "test_util.hpp"
@@ -59,37 +62,272 @@ TEST(CollectiveCheck, RanksThatIssueDifferentCollectivesEachSayWhatEveryRankWasD
   }
 }
 
-// Ranks waiting in collectives on two lanes cannot meet: within seconds
-// every rank names both, from what each rank's heartbeat says.
-TEST(CollectiveCheck, RanksWaitingOnTwoLanesAreNamedWithinSeconds) {
-  std::vector<std::string> said(2);
+// What each rank caught: the CollectiveMismatch's line (or another error's,
+// prefixed with its kind), "(passed)" where it caught none.
+struct Caught {
+  std::vector<std::string> said;
+  std::chrono::steady_clock::duration took{};
+};
+
+// `hold`: each rank keeps its group until every rank has caught what it
+// will (a group destroyed early would tell the others its rank ended).
+Caught catch_on_ranks(int world, const std::function<void(ProcessGroup&)>& fn, const test::Ranks& how,
+                      bool hold = true) {
+  Caught caught;
+  caught.said.assign(world, "(not run)");
   std::mutex mutex;
+  std::condition_variable all_caught;
+  int done = 0;
   const auto start = std::chrono::steady_clock::now();
-  try {
-    run_ranks(2, [&](ProcessGroup& group) {
-      std::string what = "(passed)";
-      try {
-        auto t = torch::zeros({10});
-        if (group.rank() == 0) {
-          quick_stream(group)->allreduce_sum(t, "SyncBatchNorm bn1's forward without autograd");
-        } else {
-          bulk_stream(group)->allreduce_sum(t, "DDP bucket 0's backward");
+  test::Ranks spent = how;
+  spent.barrier_after = false;  // no barrier on a group whose collectives went wrong
+  run_ranks(
+      world,
+      [&](ProcessGroup& group) {
+        std::string what = "(passed)";
+        try {
+          fn(group);
+        } catch (const CollectiveMismatch& e) {
+          what = e.what();
+        } catch (const Timeout& e) {
+          what = std::string("Timeout: ") + e.what();
+        } catch (const PeerLost& e) {
+          what = std::string("PeerLost: ") + e.what();
         }
-      } catch (const CollectiveMismatch& e) {
-        what = e.what();
-      }
-      std::lock_guard<std::mutex> lock(mutex);
-      said[group.rank()] = what;
-      throw std::runtime_error("spent");
-    });
-  } catch (const std::runtime_error&) {
+        std::unique_lock<std::mutex> lock(mutex);
+        caught.said[group.rank()] = what;
+        ++done;
+        all_caught.notify_all();
+        if (hold) all_caught.wait_for(lock, 60s, [&] { return done == world; });
+      },
+      spent);
+  caught.took = std::chrono::steady_clock::now() - start;
+  return caught;
+}
+
+test::Ranks summing(Sums sums) {
+  test::Ranks how;
+  how.sums = sums;
+  return how;
+}
+
+// Two ranks that differ in one thing only (the count, the dtype, the
+// operation, the root), each the same issuer: the check alone tells them
+// apart, before anything of a size the other does not expect reaches Gloo
+// (which aborts the process on one), through Gloo's groups and through
+// shared memory, for a sum the check carries (10 elements) and one it
+// does not (1000).
+TEST(CollectiveCheck, RanksThatDifferInOneThingOnlyAreNamedWhateverItIs) {
+  struct Case {
+    std::string name;
+    std::function<void(Channel&, int rank)> issue;
+    std::string line;
+  };
+  auto sum = [](int64_t n, c10::ScalarType type) {
+    return [n, type](Channel& c, int) { c.allreduce_sum(torch::zeros({n}, type))->waitAndThrow(); };
+  };
+  const std::string advice = ": every rank must issue the same collectives in the same order (docs/library.md, "
+                             "\"What is checked\")";
+  const std::vector<Case> cases = {
+      {"count", [](Channel& c, int rank) { c.allreduce_sum(torch::zeros({rank == 0 ? 1000 : 1001}))->waitAndThrow(); },
+       "rank 0 is in the test (allreduce, 1000 float32); rank 1 is in the test (allreduce, 1001 float32)" + advice},
+      {"small count",
+       [](Channel& c, int rank) { c.allreduce_sum(torch::zeros({rank == 0 ? 10 : 11}))->waitAndThrow(); },
+       "rank 0 is in the test (allreduce, 10 float32); rank 1 is in the test (allreduce, 11 float32)" + advice},
+      {"dtype",
+       [&](Channel& c, int rank) { sum(1000, rank == 0 ? torch::kFloat32 : torch::kFloat64)(c, rank); },
+       "rank 0 is in the test (allreduce, 1000 float32); rank 1 is in the test (allreduce, 1000 float64)" + advice},
+      {"operation",
+       [](Channel& c, int rank) {
+         auto t = torch::zeros({1000});
+         if (rank == 0) c.allreduce_sum(t)->waitAndThrow();
+         else c.broadcast(t, 0);
+       },
+       "rank 0 is in the test (allreduce, 1000 float32); rank 1 is in the test (broadcast, 1000 float32, from rank "
+       "0)" + advice},
+      {"root",
+       [](Channel& c, int rank) {
+         auto t = torch::zeros({1000});
+         c.broadcast(t, rank);
+       },
+       "rank 0 is in the test (broadcast, 1000 float32, from rank 0); rank 1 is in the test (broadcast, 1000 "
+       "float32, from rank 1)" + advice},
+  };
+  for (const Sums sums : {Sums::gloo, Sums::shared_memory})
+    for (const auto& c : cases) {
+      const std::string where = c.name + (sums == Sums::gloo ? ", gloo" : ", shared memory");
+      const Caught caught = catch_on_ranks(
+          2, [&](ProcessGroup& group) { bulk_stream(group)->run([&](Channel& ch) { c.issue(ch, group.rank()); }, "the test"); },
+          summing(sums));
+      EXPECT_EQ(caught.said[0], c.line) << where;
+      EXPECT_EQ(caught.said[1], c.line) << where;
+      EXPECT_LT(caught.took, 15s) << where << ": the answer was known at once (a second or two idle)";
+    }
+}
+
+// Checked alongside (as under NCCL), the collective is issued at once and
+// its check held to it when it completes: matched collectives give their
+// sums, and a mismatch is the same line, thrown by the rank's next wait.
+TEST(CollectiveCheck, ACheckAlongsideItsCollectiveFindsTheSameMismatch) {
+  test::Ranks how;
+  how.check = Check::alongside;
+  std::vector<double> sums(2);
+  run_ranks(
+      2,
+      [&](ProcessGroup& group) {
+        for (int i = 0; i < 5; ++i) {
+          auto t = torch::full({1000}, static_cast<double>(group.rank() + i), torch::kFloat64);
+          bulk_stream(group)->allreduce_sum(t, "the test");
+          if (i == 4) sums[group.rank()] = t[999].item<double>();
+        }
+      },
+      how);
+  EXPECT_EQ(sums[0], 9.0);
+  EXPECT_EQ(sums[1], 9.0);
+  // Found as the check completes, in the background: one of the next
+  // collectives' waits (within a second or so) throws it.
+  const Caught caught = catch_on_ranks(
+      2,
+      [](ProcessGroup& group) {
+        auto t = torch::zeros({1000});
+        bulk_stream(group)->allreduce_sum(t, group.rank() == 0 ? "the program's A" : "the program's B");
+        for (int i = 0; i < 100; ++i) {
+          bulk_stream(group)->allreduce_sum(t, "the program's next");
+          std::this_thread::sleep_for(50ms);
+        }
+      },
+      how);
+  const std::string line = "rank 0 is in the program's A (allreduce, 1000 float32); rank 1 is in the program's B "
+                           "(allreduce, 1000 float32): every rank must issue the same collectives in the same order "
+                           "(docs/library.md, \"What is checked\")";
+  EXPECT_EQ(caught.said[0], line);
+  EXPECT_EQ(caught.said[1], line);
+}
+
+// Ranks waiting on two lanes at once are no evidence of a mistake (two
+// threads, or a rank a step ahead on one lane, do that): each waits, and
+// when the late rank comes, both lanes complete. Rank 1 comes 6 s late,
+// longer than any pause the check once took for a mismatch.
+TEST(CollectiveCheck, RanksWaitingOnTwoLanesWaitForEachOther) {
+  for (const Sums sums : {Sums::gloo, Sums::shared_memory}) {
+    std::vector<double> got(4);
+    run_ranks(
+        2,
+        [&](ProcessGroup& group) {
+          auto small = torch::full({10}, 1.0), large = torch::full({2000}, 2.0);
+          if (group.rank() == 0) {
+            quick_stream(group)->allreduce_sum(small, "SyncBatchNorm bn1's forward");
+            bulk_stream(group)->allreduce_sum(large, "DDP bucket 0's backward");
+          } else {
+            const auto bucket = bulk_stream(group)->post(
+                [&](Channel& c) { c.allreduce_sum(large)->waitAndThrow(); }, "DDP bucket 0's backward");
+            std::this_thread::sleep_for(6s);
+            quick_stream(group)->allreduce_sum(small, "SyncBatchNorm bn1's forward");
+            bulk_stream(group)->wait(bucket);
+          }
+          got[2 * group.rank()] = small[0].item<double>();
+          got[2 * group.rank() + 1] = large[0].item<double>();
+        },
+        summing(sums));
+    EXPECT_EQ(got, (std::vector<double>{2, 4, 2, 4})) << (sums == Sums::gloo ? "gloo" : "shared memory");
   }
-  const auto took = std::chrono::steady_clock::now() - start;
-  EXPECT_EQ(said[0], "rank 0 is in SyncBatchNorm bn1's forward without autograd (allreduce, 10 float32); rank 1 is "
-                     "in DDP bucket 0's backward (allreduce, 10 float32): a train-mode forward through SyncBatchNorm "
-                     "must run on every rank (evaluate or sample under eval(), or on every rank)");
-  EXPECT_EQ(said[1], said[0]) << "the ranks say different things";
-  EXPECT_LT(took, 10s) << "not within seconds";
+}
+
+// A rank that never comes is waited for until the group's timeout (3 s
+// here), then every waiting rank names where each of the others waits.
+TEST(CollectiveCheck, ARankThatNeverComesIsNamedAtTheTimeoutWithWhereItWaits) {
+  test::Ranks how;
+  how.timeout = 3s;
+  const Caught caught = catch_on_ranks(
+      2,
+      [](ProcessGroup& group) {
+        auto t = torch::zeros({10});
+        if (group.rank() == 0) quick_stream(group)->allreduce_sum(t, "SyncBatchNorm bn1's forward");
+        else bulk_stream(group)->allreduce_sum(t, "DDP bucket 0's backward");
+      },
+      how);
+  EXPECT_EQ(caught.said[0], "Timeout: rank 1 did not reach SyncBatchNorm bn1's forward (allreduce, 10 float32) within "
+                            "3 s (the timeout); rank 1 waits in DDP bucket 0's backward (allreduce, 10 float32)");
+  EXPECT_EQ(caught.said[1], "Timeout: rank 0 did not reach DDP bucket 0's backward (allreduce, 10 float32) within 3 "
+                            "s (the timeout); rank 0 waits in SyncBatchNorm bn1's forward (allreduce, 10 float32)");
+  EXPECT_GE(caught.took, 3s) << "named before the timeout";
+  EXPECT_LT(caught.took, 12s);
+}
+
+// A rank whose program ends (its group gone) before a collective another
+// rank waits in will never come: that is named within seconds, as uneven
+// inputs, whatever the timeout.
+TEST(CollectiveCheck, ARankThatEndsItsProgramBeforeACollectiveIsNamedAsUnevenInputs) {
+  for (const Sums sums : {Sums::gloo, Sums::shared_memory}) {
+    const Caught caught = catch_on_ranks(
+        2,
+        [](ProcessGroup& group) {
+          auto t = torch::zeros({1000});
+          bulk_stream(group)->allreduce_sum(t, "DDP bucket 0's backward");
+          if (group.rank() == 0) bulk_stream(group)->allreduce_sum(t, "DDP bucket 0's backward");
+        },
+        summing(sums), /*hold=*/false);
+    const std::string where = sums == Sums::gloo ? "gloo" : "shared memory";
+    EXPECT_EQ(caught.said[0], "rank 0 is in DDP bucket 0's backward (allreduce, 1000 float32); rank 1 ended its "
+                              "program (the last collective it passed there: DDP bucket 0's backward (allreduce, "
+                              "1000 float32)): the ranks ran different numbers of steps (uneven inputs): give every "
+                              "rank as many batches, or wrap each rank's training loop in ddp.join()")
+        << where;
+    EXPECT_EQ(caught.said[1], "(passed)") << where;
+    EXPECT_LT(caught.took, 15s) << where << ": named within seconds (about one idle), not at the timeout (60 s)";
+  }
+}
+
+// Off, collectives go out as the program issues them, and join() says it
+// needs the check.
+TEST(CollectiveCheck, OffIssuesCollectivesAsAskedAndJoinSaysItNeedsTheCheck) {
+  test::Ranks how;
+  how.check = Check::off;
+  std::vector<double> got(2);
+  std::vector<std::string> join(2);
+  run_ranks(
+      2,
+      [&](ProcessGroup& group) {
+        auto t = torch::full({10}, static_cast<double>(group.rank() + 1));
+        group.allreduce_sum(t);
+        got[group.rank()] = t[0].item<double>();
+        auto model = std::make_shared<torch::nn::LinearImpl>(2, 2);
+        DistributedDataParallel ddp(model, group);
+        try {
+          ddp.join([] {});
+        } catch (const UsageError& e) {
+          join[group.rank()] = e.what();
+        }
+      },
+      how);
+  EXPECT_EQ(got, (std::vector<double>{3, 3}));
+  for (const auto& said : join)
+    EXPECT_EQ(said, "ddp.join() needs the collective check, which tells a rank whose data ran out what the others "
+                    "issue: leave ProcessGroupOptions().check_collectives on");
+}
+
+// A store that refuses the heartbeat for a while: the heartbeat goes on
+// once it takes writes again.
+TEST(CollectiveWatch, TheHeartbeatGoesOnAfterTheStoreRefusedIt) {
+  struct RefusingStore : c10d::HashStore {
+    std::atomic<bool> refusing{false};
+    void set(const std::string& key, const std::vector<uint8_t>& value) override {
+      if (refusing && key.rfind("heartbeat/", 0) == 0) throw std::runtime_error("the store refuses");
+      HashStore::set(key, value);
+    }
+  };
+  auto store = c10::make_intrusive<RefusingStore>();
+  CollectiveWatch watch(store, 0, 2, 60s);
+  auto beats = [&] {
+    const auto value = store->get("heartbeat/0");
+    return std::stoll(std::string(value.begin(), value.end()));
+  };
+  ASSERT_TRUE(test::eventually([&] { return store->check({"heartbeat/0"}); }, 5s));
+  store->refusing = true;
+  std::this_thread::sleep_for(2500ms);
+  const auto during = beats();
+  store->refusing = false;
+  EXPECT_TRUE(test::eventually([&] { return beats() > during; }, 5s)) << "the heartbeat stopped for good";
 }
 
 // A model with SyncBatchNorm between two layers, for ddp.join().

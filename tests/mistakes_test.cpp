@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "mnist_ddp/ddp.hpp"
+#include "comm/group.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -110,6 +111,30 @@ void run_case(const std::string& name) {
     torch::optim::SGD opt(model->parameters(), 0.1);
     for (int k = 0; k < (rank == 1 ? 2 : 3); ++k) step(ddp, opt, rank, k);
     ddp.check_replicas("after training");
+  } else if (name == "returns-early") {  // rank 1 runs one step fewer and returns: its program ends well
+    Small model = small_model();
+    DistributedDataParallel<Small> ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    for (int k = 0; k < (rank == 1 ? 2 : 3); ++k) step(ddp, opt, rank, k);
+  } else if (name == "forward-at-end") {  // rank 0 samples in train mode at the end; rank 1 has returned
+    Small model = small_model();
+    DistributedDataParallel<Small> ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    for (int k = 0; k < 2; ++k) step(ddp, opt, rank, k);
+    if (rank == 0) {
+      torch::NoGradGuard no_grad;
+      model->forward(torch::randn({4, 4}));
+    }
+  } else if (name == "ddp-forward-one-rank") {  // rank 0 samples through the DDP in train mode, then a barrier
+    Small model = small_model();
+    DistributedDataParallel<Small> ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    step(ddp, opt, rank, 0);
+    if (rank == 0) {
+      torch::NoGradGuard no_grad;
+      ddp.forward(torch::randn({4, 4}));
+    }
+    group.barrier();
   } else if (name == "uneven-joined") {  // the same, inside ddp.join(): it works
     Small model = small_model();
     DistributedDataParallel<Small> ddp(model, group);
@@ -151,19 +176,22 @@ void run_case(const std::string& name) {
     ddp.check_replicas("after the steps");
   } else if (name == "init-twice") {
     auto again = init_process_group();
-    if (again.rank() != rank) throw Error("a second init_process_group() gave another group");
+    if (GroupAccess::share(again) != GroupAccess::share(group)) throw Error("a second init_process_group() gave another group");
     say(group, "the second call returned the first group");
     init_process_group(ProcessGroupOptions().backend("nccl"));
-  } else if (name == "bfloat16") {
+  } else if (name == "bfloat16") {  // each rank its own data: only averaging keeps the replicas equal
     auto model = std::make_shared<torch::nn::LinearImpl>(4, 3);
     model->to(torch::kBFloat16);
     DistributedDataParallel ddp(model, group);
+    const torch::Tensor before = model->weight.detach().clone();
     torch::optim::SGD opt(model->parameters(), 0.1);
+    torch::manual_seed(100 + rank);
     for (int k = 0; k < 3; ++k) {
       opt.zero_grad();
       ddp.forward(torch::randn({8, 4}).to(torch::kBFloat16)).pow(2).mean().backward();
       opt.step();
     }
+    if (torch::equal(before, model->weight.detach())) throw Error("the bfloat16 parameters did not move");
     ddp.check_replicas("after training");
     say(group, "bfloat16 parameters trained, replicas identical");
   } else if (name == "timeout") {  // the launcher's --timeout, unless the options name one
@@ -188,26 +216,11 @@ TEST(MistakeProgram, Run) {
 
 // ---- the tests ----
 
-struct Ran {
-  int code = -1;
-  double seconds = 0;
-  std::string output;
-};
+using test::Ran;
 
 // The case under `mnist_ddp run --nproc 2 --timeout 10`.
 Ran run_mistake(const std::string& name) {
-  TempDir dir;
-  const std::string self = test::read_symlink("/proc/self/exe");
-  const auto start = std::chrono::steady_clock::now();
-  Process p({"run", "--nproc", "2", "--timeout", "10", "--", self, "--gtest_filter=MistakeProgram.Run", dir.path()},
-            dir / "out.txt", {"MNIST_DDP_TEST_MISTAKE=" + name});
-  const int status = p.wait(60s);
-  Ran ran;
-  ran.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  ran.output = read_text(dir / "out.txt");
-  ran.code = status == -1 ? -1 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  EXPECT_TRUE(test::processes_mentioning(dir.path()).empty()) << name << ": a process outlived the launcher";
-  return ran;
+  return test::run_program("MistakeProgram.Run", {"MNIST_DDP_TEST_MISTAKE=" + name}, 10, 60s);
 }
 
 size_t count(const std::string& text, const std::string& piece) {
@@ -237,6 +250,8 @@ void expect_named_on_every_rank(const Ran& ran, const std::vector<std::string>& 
   for (const auto& piece : pieces) EXPECT_NE(lines[0].find(piece), std::string::npos) << name << ": " << piece << "\n" << ran.output;
   for (const char* backend : {"gloo/", "pair.cc", "terminate called", "Aborted", "signal 6", "Connection reset"})
     EXPECT_EQ(ran.output.find(backend), std::string::npos) << name << ": " << backend << "\n" << ran.output;
+  for (const char* internal : {"the authority", "model 1", "model 2"})  // the library's own words, not a user's
+    EXPECT_EQ(lines[0].find(internal), std::string::npos) << name << ": " << internal << "\n" << ran.output;
 }
 
 TEST(Mistakes, DifferentModelsAreNamedWhenTheDdpIsBuilt) {
@@ -288,7 +303,47 @@ TEST(Mistakes, AHookAfterTheFirstBackwardIsRefused) {
 }
 
 TEST(Mistakes, ARankThatCatchesItsOwnForwardFailureIsNamed) {
-  expect_named_on_every_rank(run_mistake("caught-forward"), {"rank 0 is in ", "rank 1 is in "}, "caught-forward");
+  expect_named_on_every_rank(run_mistake("caught-forward"),
+                             {"rank 0 is in SyncBatchNorm norm.0's backward (allreduce, 16 float64); rank 1 is in "
+                              "DistributedDataParallel's buffers before a forward (broadcast, 1 int64, from rank 0): "},
+                             "caught-forward");
+}
+
+// A rank whose program ends while another waits: the waiting rank names
+// it at once, as uneven inputs (or, where it waits in a sampling forward,
+// SyncBatchNorm), and the rank that ended well exits 0.
+void expect_ended_rank_named(const Ran& ran, const std::string& line, const std::string& name) {
+  EXPECT_EQ(ran.code, 1) << name << "\n" << ran.output;
+  EXPECT_LT(ran.seconds, 10) << name << "\n" << ran.output;
+  const auto lines = caught(ran.output);
+  ASSERT_EQ(lines.size(), 1u) << name << ": only the waiting rank fails\n" << ran.output;
+  EXPECT_EQ(lines[0], line) << name << "\n" << ran.output;
+}
+
+TEST(Mistakes, ARankWhoseProgramReturnsEarlyIsNamedAsUnevenInputs) {
+  expect_ended_rank_named(
+      run_mistake("returns-early"),
+      "rank 0 is in DistributedDataParallel's buffers before a forward (broadcast, 1 int64, from rank 0); rank 1 "
+      "ended its program (the last collective it passed there: SyncBatchNorm norm.0's backward (allreduce, 16 "
+      "float64)): the ranks ran "
+      "different numbers of steps (uneven inputs): give every rank as many batches, or wrap each rank's training "
+      "loop in ddp.join()",
+      "returns-early");
+  expect_ended_rank_named(
+      run_mistake("forward-at-end"),
+      "rank 0 is in SyncBatchNorm norm.0's forward without autograd (allreduce, 17 float64); rank 1 ended its "
+      "program (the last collective it passed there: SyncBatchNorm norm.0's backward (allreduce, 16 float64)): a "
+      "train-mode forward through SyncBatchNorm must run on every rank (evaluate or sample under eval(), or on every "
+      "rank)",
+      "forward-at-end");
+}
+
+TEST(Mistakes, ATrainModeForwardThroughTheDdpOnOneRankNamesSyncBatchNorm) {
+  expect_named_on_every_rank(run_mistake("ddp-forward-one-rank"),
+                             {"rank 0 is in SyncBatchNorm norm.0's forward without autograd (allreduce, 17 float64); "
+                              "rank 1 is in the program's own barrier (barrier): a train-mode forward through "
+                              "SyncBatchNorm must run on every rank"},
+                             "ddp-forward-one-rank");
 }
 
 TEST(Mistakes, ABackwardThroughTheModelsOwnForwardIsNamed) {

@@ -26,7 +26,9 @@
 #include <functional>
 #include <iostream>
 #include <limits>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <sstream>
@@ -57,9 +59,17 @@ enum class Sums { gloo, shared_memory };
 // Runs fn(group) on `world` ranks with Gloo groups, their tensors on
 // `device`. On the CPU each rank is a thread, all over one in-memory store;
 // the first failure is rethrown. On a GPU, see run_rank_processes.
-inline void run_ranks(int world, const std::function<void(ProcessGroup&)>& fn, torch::Device device = torch::kCPU,
-                      Sums sums = Sums::gloo) {
-  if (device.is_cuda()) return run_rank_processes(world, fn, device);
+// How run_ranks() makes its ranks' groups.
+struct Ranks {
+  Sums sums = Sums::gloo;
+  std::chrono::milliseconds timeout = std::chrono::seconds(60);
+  std::optional<Check> check;  // nullopt: the backend's way (collectives.hpp)
+  // A barrier after fn, so that no rank tears its group down while another
+  // still talks on it; off for a test of what a rank that leaves does.
+  bool barrier_after = true;
+};
+
+inline void run_ranks(int world, const std::function<void(ProcessGroup&)>& fn, const Ranks& how) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::thread> threads;
   std::mutex mutex;
@@ -67,10 +77,10 @@ inline void run_ranks(int world, const std::function<void(ProcessGroup&)>& fn, t
   for (int rank = 0; rank < world; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        ProcessGroup group = make_process_group(store, rank, world, "gloo", torch::kCPU, std::chrono::seconds(60),
-                              sums == Sums::shared_memory);
+        ProcessGroup group = make_process_group(store, rank, world, "gloo", torch::kCPU, how.timeout,
+                                                how.sums == Sums::shared_memory, "127.0.0.1", how.check);
         fn(group);
-        if (world > 1) bulk_stream(group)->barrier();  // no rank tears its group down while another still talks on it
+        if (world > 1 && how.barrier_after) quick_stream(group)->barrier();
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex);
         if (!failure) failure = std::current_exception();
@@ -79,6 +89,14 @@ inline void run_ranks(int world, const std::function<void(ProcessGroup&)>& fn, t
   }
   for (auto& t : threads) t.join();
   if (failure) std::rethrow_exception(failure);
+}
+
+inline void run_ranks(int world, const std::function<void(ProcessGroup&)>& fn, torch::Device device = torch::kCPU,
+                      Sums sums = Sums::gloo) {
+  if (device.is_cuda()) return run_rank_processes(world, fn, device);
+  Ranks how;
+  how.sums = sums;
+  run_ranks(world, fn, how);
 }
 
 // The options a command line gives (without the program's name), in an
@@ -418,6 +436,49 @@ inline int connect_to_port(int port) {
   return fd;
 }
 
+// Two processes that keep a core each busy while they live: a test that
+// must pass on a loaded machine runs beside them.
+class BusyLoops {
+ public:
+  BusyLoops() {
+    for (int i = 0; i < 2; ++i)
+      loops_.push_back(std::make_unique<Process>(std::vector<std::string>{"sh", "-c", "while :; do :; done"},
+                                                 "/dev/null", std::vector<std::string>{}, /*command=*/true));
+  }
+
+ private:
+  std::vector<std::unique_ptr<Process>> loops_;  // each ended (SIGKILL) and reaped by its destructor
+};
+
+// How a program of this test binary ended under our launcher.
+struct Ran {
+  int code = -1;  // its exit code, 128 + a signal, or -1 where it did not end in time
+  double seconds = 0;
+  std::string output;
+};
+
+// This test binary's `program` (a gtest filter: "MistakeProgram.Run")
+// under `mnist_ddp run --nproc 2 --timeout T`, with `env` added; it must
+// end within `limit`. Checks that no process of it outlived the launcher.
+inline Ran run_program(const std::string& program, const std::vector<std::string>& env, int timeout_s,
+                       std::chrono::seconds limit = std::chrono::seconds(120),
+                       const std::function<void(Process&, const std::string& output_file)>& meanwhile = nullptr) {
+  TempDir dir;
+  const std::string self = read_symlink("/proc/self/exe");
+  const auto start = std::chrono::steady_clock::now();
+  Process p({"run", "--nproc", "2", "--timeout", std::to_string(timeout_s), "--", self, "--gtest_filter=" + program,
+             dir.path()},
+            dir / "out.txt", env);
+  if (meanwhile) meanwhile(p, dir / "out.txt");
+  const int status = p.wait(limit);
+  Ran ran;
+  ran.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ran.output = read_text(dir / "out.txt");
+  ran.code = status == -1 ? -1 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  EXPECT_TRUE(processes_mentioning(dir.path()).empty()) << program << ": a process outlived the launcher";
+  return ran;
+}
+
 // Polls `done` every 20 ms until it holds or `limit` passes.
 inline bool eventually(const std::function<bool()>& done, std::chrono::milliseconds limit) {
   const auto deadline = std::chrono::steady_clock::now() + limit;
@@ -453,7 +514,7 @@ inline void run_rank_processes(int world, const std::function<void(ProcessGroup&
     auto store = c10::make_intrusive<c10d::FileStore>(std::getenv("MNIST_DDP_TEST_STORE"), world);
     ProcessGroup group = make_process_group(store, std::atoi(rank), world, "gloo", device, std::chrono::seconds(60));
     fn(group);
-    if (world > 1) bulk_stream(group)->barrier();
+    if (world > 1) quick_stream(group)->barrier();
     return;
   }
   TempDir dir;

@@ -243,6 +243,9 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
       ->check(number(1, true, 1024, "an integer from 1 up to 1024"));
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "A gradient bucket closes once it holds this many MB (the first at 1 MB, or this if less)")
       ->check(number(0, false, 1 << 20, "a positive number of MB up to 1048576"));
+  bool no_check = false;
+  app.add_flag("--no-check-collectives", no_check,
+               "Issue collectives without checking them against every rank's (to measure what the check costs)");
 
   auto& ps = o.powersgd;
   app.add_option("--powersgd-rank", ps.matrix_approximation_rank(), "PowerSGD matrix approximation rank")->check(positive("a positive integer"));
@@ -271,6 +274,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
   settle_launch_flags(app, o, env);
   if (o.resume == "never") o.resume.clear();
 
+  o.check_collectives = !no_check;
   ps.use_error_feedback(!no_error_feedback);
   ps.warm_start(!no_warm_start);
   if ((ps.use_error_feedback() || ps.warm_start()) && ps.start_powersgd_iter() <= 1)

@@ -75,6 +75,9 @@ struct Options {
 
   // --- DistributedDataParallel and its communication hook. ---
   double bucket_cap_mb = 25;  // a gradient bucket closes once it holds this many MB (the first at 1 MB, or this if less)
+  // Check every collective against every rank's (off: to measure what the
+  // check costs; ProcessGroupOptions::check_collectives).
+  bool check_collectives = true;
   // For the powersgd* choices of `compression`: PyTorch's defaults but
   // the reference's rank 2.
   hooks::PowerSgdOptions powersgd = hooks::PowerSgdOptions().matrix_approximation_rank(2);

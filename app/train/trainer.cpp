@@ -193,7 +193,7 @@ int Trainer::run() {
                  resume_dir(opts_),
                  at_.epoch >= opts_.epochs ? "all " + std::to_string(opts_.epochs) + " epochs"
                                            : "its --max-steps " + std::to_string(opts_.max_steps) + " steps");
-    bulk_stream(group_)->barrier("the end of training");
+    quick_stream(group_)->barrier("the end of training");
     return 0;
   }
   for (int64_t epoch = at_.epoch; epoch < opts_.epochs && !max_steps_reached(); ++epoch) {
@@ -224,7 +224,7 @@ int Trainer::stop(int sig) {
     summary_->set("preempted", Json(signal_name(sig)));
     summary_->write();
   }
-  bulk_stream(group_)->barrier("the end of training");  // nobody leaves while a peer still needs the store
+  quick_stream(group_)->barrier("the end of training");  // nobody leaves while a peer still needs the store
   return sig;
 }
 
@@ -420,7 +420,7 @@ void Trainer::finish() {
   }
   // Checked after each epoch; no epoch run: as DDP broadcast them.
   spdlog::info("Replicas: all {} ranks hold identical parameters", group_.world_size());
-  bulk_stream(group_)->barrier("the end of training");  // nobody leaves while a peer still needs the store
+  quick_stream(group_)->barrier("the end of training");  // nobody leaves while a peer still needs the store
 }
 
 }  // namespace mnist_ddp

@@ -31,6 +31,7 @@ using Group = c10d::Backend;
 #else
 using Group = c10d::ProcessGroup;
 #endif
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
 // Shuts an NCCL group down: newer LibTorch warns at exit about one left
 // open. ProcessGroupNCCL::shutdown() exists from 2.2; 1.13 to 2.1 have none

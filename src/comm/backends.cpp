@@ -21,7 +21,10 @@ Backend gloo() {
   b.bfloat16 = false;
   b.create = [](const StorePtr& store, int rank, int world_size, std::chrono::milliseconds timeout,
                 const std::string& address) -> GroupPtr {
-    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    // Gloo's own timeout a little later than the group's: a collective that
+    // waits that long is the watch's to name (watch.hpp), with where every
+    // rank waits, rather than Gloo's "timed out" on one socket.
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout + std::chrono::seconds(5));
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(address));
     return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, options);
   };

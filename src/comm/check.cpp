@@ -3,6 +3,7 @@
 #include "comm/collectives.hpp"
 
 #include <algorithm>
+#include <cmath>
 
 #include "comm/shared_memory.hpp"
 
@@ -10,13 +11,18 @@ namespace mnist_ddp {
 
 namespace {
 
-// The check's row: one per rank (see "the check" in collectives.hpp).
-enum Field : int64_t { kState, kFingerprint, kOp, kDtype, kNumel, kRoot, kStamp, kFields };
-enum State : int64_t { kActive = 1, kJoined = 2 };
-constexpr size_t kText = 240;  // characters of a rank's "what" exchanged on a mismatch
+// A check is one float64 sum: [the inlined sum's elements | the fields | a
+// bitmap of the active ranks]. Every field is summed over the ranks that
+// are active (not joined), and every value stays an integer far below 2^53,
+// so the sums are exact.
+enum Field : int64_t { kActive, kOp, kDtype, kNumel, kRoot, kInlined, kPrint, kSquare = kPrint + 3, kFields = kSquare + 3 };
+constexpr int kPieces = 3;        // a description's fingerprint: 3 pieces of 16 bits
+constexpr int kBitsPerWord = 48;  // active ranks, 48 to a float64
+constexpr size_t kMaxPending = 64;  // Check::alongside: checks in flight before the lane waits for the oldest
+const char* const kJoinedWords = "ddp.join(): its data ran out";
 
-const char* op_name(int64_t op) {
-  switch (static_cast<Op>(op)) {
+const char* op_name(Op op) {
+  switch (op) {
     case Op::allreduce: return "allreduce";
     case Op::broadcast: return "broadcast";
     case Op::gather: return "gather";
@@ -25,6 +31,8 @@ const char* op_name(int64_t op) {
   }
   return "?";
 }
+
+int64_t bitmap_words(int world) { return (world + kBitsPerWord - 1) / kBitsPerWord; }
 
 }  // namespace
 
@@ -44,151 +52,232 @@ std::string dtype_name(c10::ScalarType t) {
 
 namespace {
 
-// "DDP bucket 0's backward (allreduce, 1181066 float32)"
+// "DDP bucket 0's backward (allreduce, 1181066 float32)": what a rank's
+// messages say it was in. A broadcast from kAuthority is "from rank 0",
+// which it is unless ranks have joined.
 std::string describe(const std::string& issuer, Op op, const torch::Tensor& tensor, int root) {
-  std::string d = issuer + " (" + op_name(static_cast<int64_t>(op));
+  std::string d = issuer + " (" + op_name(op);
   if (tensor.defined()) d += ", " + std::to_string(tensor.numel()) + " " + dtype_name(tensor.scalar_type());
-  if (op == Op::broadcast) d += root == kAuthority ? ", from the authority" : ", from rank " + std::to_string(root);
+  if (op == Op::broadcast) d += ", from rank " + std::to_string(root == kAuthority ? 0 : root);
   return d + ")";
 }
 
-// 52 bits of FNV-1a over the description: exact in the int64 (and float64) sums.
-int64_t fingerprint(const std::string& text) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (const unsigned char c : text) h = (h ^ c) * 0x100000001b3ull;
-  return static_cast<int64_t>(h & ((1ull << 52) - 1)) + 1;
+// Whether the active ranks of summed check `s` (its fields, from kActive)
+// all gave the fingerprint `pieces`, or, for a joined rank (`pieces`
+// nullptr), all gave one fingerprint. By Cauchy-Schwarz, n values whose sum
+// is n a and whose squares sum to n a^2 are all a; the sums are exact.
+bool all_agree(const double* s, const int64_t* pieces) {
+  const double n = s[kActive];
+  for (int i = 0; i < kPieces; ++i) {
+    const double a = pieces ? static_cast<double>(pieces[i]) : s[kPrint + i] / n;
+    if (a != std::floor(a) || s[kPrint + i] != n * a || s[kSquare + i] != n * a * a) return false;
+  }
+  return true;
 }
 
 }  // namespace
 
-torch::Tensor Channel::exchange_rows(const std::vector<int64_t>& row, const std::string& what) {
-  const int world = world_size(), fields = static_cast<int>(row.size());
-  auto rows = torch::zeros({world * fields}, torch::kInt64);
-  auto* data = rows.data_ptr<int64_t>();
-  for (int f = 0; f < fields; ++f) data[rank() * fields + f] = row[f];
-  {
-    std::lock_guard<std::mutex> lock(lane_->mutex);
-    lane_->waiting = true;
-    lane_->what = what;
+torch::Tensor Channel::check_tensor(const Described* mine) const {
+  const int64_t words = bitmap_words(world_size());
+  auto sums = torch::zeros({inline_ + kFields + words}, torch::kFloat64);
+  if (!mine) return sums;
+  double* f = sums.data_ptr<double>() + inline_;
+  f[kActive] = 1;
+  f[kOp] = static_cast<double>(static_cast<int64_t>(mine->op));
+  f[kDtype] = static_cast<double>(mine->dtype);
+  f[kNumel] = static_cast<double>(mine->numel);
+  f[kRoot] = mine->root;
+  f[kInlined] = mine->inlined ? 1 : 0;
+  for (int i = 0; i < kPieces; ++i) {
+    f[kPrint + i] = static_cast<double>(mine->pieces[i]);
+    f[kSquare + i] = static_cast<double>(mine->pieces[i]) * static_cast<double>(mine->pieces[i]);
   }
+  f[kFields + rank() / kBitsPerWord] = std::ldexp(1.0, rank() % kBitsPerWord);
+  return sums;
+}
+
+void Channel::exchange_check(torch::Tensor& sums) {
   CollectiveWatch::Wait wait;
   auto stalled = [&] {
     if (watch_) watch_->stalled(*lane_, wait);
   };
-  if (shared_) {
-    shared_->allreduce_sum(rows, stalled);
-  } else {
-    std::vector<at::Tensor> tensors{rows};
-    auto work = check_group_->allreduce(tensors);
-    for (;;) {
-      try {
-        work->wait(std::chrono::milliseconds(500));
-        break;
-      } catch (...) {
-        if (work->isCompleted()) throw;  // the sum failed; not the slice's timeout
-      }
-      stalled();
-    }
+  if (!shared_) {
+    std::vector<at::Tensor> tensors{sums};
+    return await(check_group_->allreduce(tensors));
   }
-  std::lock_guard<std::mutex> lock(lane_->mutex);
-  lane_->waiting = false;
-  return rows.view({world, fields});
+  try {
+    shared_->allreduce_sum(sums, stalled);
+  } catch (const PeerLost&) {
+    explained(std::current_exception());
+  }
 }
 
-void Channel::mismatch(const torch::Tensor& rows, const std::string& what) {
-  // Every rank saw the same rows, so every rank is here: one more sum
-  // brings every rank's own words.
-  std::vector<int64_t> text(kText, 0);
-  for (size_t i = 0; i < std::min(kText, what.size()); ++i) text[i] = static_cast<unsigned char>(what[i]);
-  const torch::Tensor all = exchange_rows(text, what);
-  std::string line;
-  std::vector<std::string> whats;
-  for (int r = 0; r < world_size(); ++r) {
-    std::string theirs;
-    for (size_t i = 0; i < kText && all[r][static_cast<int64_t>(i)].item<int64_t>() != 0; ++i)
-      theirs += static_cast<char>(all[r][static_cast<int64_t>(i)].item<int64_t>());
-    if (rows[r][kState].item<int64_t>() == kJoined) theirs = "ddp.join(), its data run out";
-    whats.push_back(theirs);
-    line += (line.empty() ? "rank " : "; rank ") + std::to_string(r) + " is in " + theirs;
-  }
-  const CollectiveMismatch error(line + ": " + mismatch_advice(whats));
+Channel::Outcome Channel::verify(const torch::Tensor& sums, const Described* mine, uint64_t position) {
+  const double* s = sums.data_ptr<double>() + inline_;
+  if (!all_agree(s, mine ? mine->pieces : nullptr)) mismatch(position, mine ? mine->what : kJoinedWords);
+  Outcome out;
+  const auto n = s[kActive];
+  const int root = static_cast<int>(std::lround(s[kRoot] / n));
+  out.root = root;
+  out.served = s[kInlined] > 0;
+  if (root != kAuthority) return out;
+  // The authority: rank 0 while it is active, else the highest active rank.
+  auto active = [&](int r) { return ((static_cast<uint64_t>(s[kFields + r / kBitsPerWord]) >> (r % kBitsPerWord)) & 1u) != 0; };
+  out.root = 0;
+  if (!active(0))
+    for (int r = world_size() - 1; r > 0 && out.root == 0; --r)
+      if (active(r)) out.root = r;
+  return out;
+}
+
+void Channel::mismatch(uint64_t position, const std::string& mine) {
+  const std::string line = watch_ ? watch_->mismatch_line(lane_->name, position, mine) : mine;
+  const CollectiveMismatch error(line);
   if (watch_) watch_->mismatched(std::make_exception_ptr(error));  // this rank's other lanes end with it too
   throw error;
 }
 
-Channel::Checked Channel::check(Op op, const torch::Tensor& tensor, int root) {
-  Checked checked;
-  checked.root = root == kAuthority ? 0 : root;
-  checked.active = world_size();
-  if (world_size() == 1) return checked;
-  const std::string what = describe(issuer_, op, tensor, root);
-  const int64_t print = fingerprint(what);
-  const torch::Tensor rows = exchange_rows(
-      {kActive, print, static_cast<int64_t>(op), tensor.defined() ? static_cast<int64_t>(tensor.scalar_type()) : -1,
-       tensor.defined() ? tensor.numel() : 0, root, 0},
-      what);
-  const auto row = rows.accessor<int64_t, 2>();  // every collective passes here: no tensor per field
-  int highest_active = -1;
-  checked.active = 0;
-  for (int r = 0; r < world_size(); ++r) {
-    if (row[r][kState] == kJoined) continue;
-    if (row[r][kFingerprint] != print) mismatch(rows, what);
-    ++checked.active;
-    highest_active = r;
+Channel::Outcome Channel::check(Op op, const torch::Tensor& tensor, int root, torch::Tensor* inlined) {
+  Outcome out;
+  out.root = root == kAuthority ? 0 : root;
+  if (world_size() == 1 || check_ == Check::off) return out;
+  if (watch_)
+    if (auto error = watch_->mismatch()) std::rethrow_exception(error);
+  Described d;
+  d.op = op;
+  d.dtype = tensor.defined() ? static_cast<int64_t>(tensor.scalar_type()) : -1;
+  d.numel = tensor.defined() ? tensor.numel() : 0;
+  d.root = root;
+  d.inlined = inlined != nullptr;
+  d.what = describe(issuer_, op, tensor, root);
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
+  for (const unsigned char c : d.what) h = (h ^ c) * 0x100000001b3ull;
+  for (int i = 0; i < kPieces; ++i) d.pieces[i] = static_cast<int64_t>((h >> (16 * i)) & 0xffff);
+  uint64_t position;
+  {
+    std::lock_guard<std::mutex> lock(lane_->mutex);
+    position = lane_->passed;
+    lane_->what = d.what;
   }
-  if (root == kAuthority && row[0][kState] == kJoined) checked.root = highest_active;
+  auto sums = check_tensor(&d);
+  if (check_ == Check::alongside && root != kAuthority) {
+    // Issued at once; the check is held to it when it completes.
+    while (!pending_.empty() && settle_oldest(pending_.size() >= kMaxPending)) {
+    }
+    auto pending = std::make_unique<Pending>();
+    pending->position = position;
+    pending->described = d;
+    pending->sums = sums;
+    std::vector<at::Tensor> tensors{sums};
+    pending->done = check_group_->allreduce(tensors)->getFuture();
+    if (watch_) {
+      // Said at once, so that a rank whose collective hangs (NCCL, on a
+      // mismatch of sizes) is woken by its waits (CollectiveStream::wait).
+      pending->done->addCallback([watch = watch_, lane = lane_->name, position, d, sums, offset = inline_](
+                                     c10::ivalue::Future& done) {
+        if (done.hasError() || all_agree(sums.data_ptr<double>() + offset, d.pieces)) return;
+        watch->mismatched(std::make_exception_ptr(CollectiveMismatch(watch->mismatch_line(lane, position, d.what))));
+      });
+    }
+    pending_.push_back(std::move(pending));
+    std::lock_guard<std::mutex> lock(lane_->mutex);
+    ++lane_->passed;
+    return out;
+  }
+  settle();  // a broadcast from the authority needs every earlier check's word on who has joined
+  if (inlined) sums.slice(0, 0, d.numel).copy_(inlined->reshape(-1));
+  {
+    std::lock_guard<std::mutex> lock(lane_->mutex);
+    lane_->waiting = lane_->checking = true;
+  }
+  exchange_check(sums);
+  {
+    std::lock_guard<std::mutex> lock(lane_->mutex);
+    lane_->waiting = lane_->checking = false;
+  }
+  out = verify(sums, &d, position);
+  if (inlined) inlined->copy_(sums.slice(0, 0, d.numel).view(inlined->sizes()));
   std::lock_guard<std::mutex> lock(lane_->mutex);
   ++lane_->passed;
-  return checked;
+  return out;
+}
+
+bool Channel::settle_oldest(bool block) {
+  if (watch_)
+    if (auto error = watch_->mismatch()) std::rethrow_exception(error);
+  Pending& oldest = *pending_.front();
+  if (!oldest.done->completed()) {
+    if (!block) return false;
+    oldest.done->wait();
+  }
+  if (oldest.done->hasError()) explained(oldest.done->exception_ptr());
+  const auto position = oldest.position;
+  const Described d = oldest.described;
+  const torch::Tensor sums = oldest.sums;
+  pending_.pop_front();
+  verify(sums, &d, position);
+  return true;
+}
+
+void Channel::settle() {
+  while (!pending_.empty()) settle_oldest(true);
 }
 
 int Channel::serve_until_all_joined() {
   if (world_size() == 1) return 0;
-  int64_t stamp;
+  TORCH_CHECK(check_ != Check::off, "serve_until_all_joined: the check is off");  // join() refuses that first
+  settle();
+  uint64_t stamp;
   {
     std::lock_guard<std::mutex> lock(lane_->mutex);
-    stamp = static_cast<int64_t>(lane_->passed);
+    stamp = lane_->passed;
   }
-  const std::string what = "ddp.join(), its data run out";
   for (;;) {
-    const torch::Tensor rows = exchange_rows({kJoined, 0, 0, 0, 0, 0, stamp}, what);
-    int active = -1, last = 0;
-    int64_t latest = -1;
-    for (int r = 0; r < world_size(); ++r) {
-      if (rows[r][kState].item<int64_t>() != kJoined) {
-        if (active >= 0 && rows[r][kFingerprint].item<int64_t>() != rows[active][kFingerprint].item<int64_t>())
-          mismatch(rows, what);
-        if (active < 0) active = r;
-      } else if (rows[r][kStamp].item<int64_t>() > latest) {
-        latest = rows[r][kStamp].item<int64_t>();
-        last = r;
-      }
+    uint64_t position;
+    {
+      std::lock_guard<std::mutex> lock(lane_->mutex);
+      position = lane_->passed;
+      lane_->what = kJoinedWords;
+      lane_->waiting = lane_->checking = true;
     }
-    if (active < 0) return last;  // every rank has joined
+    torch::Tensor sums = check_tensor(nullptr);
+    exchange_check(sums);
+    {
+      std::lock_guard<std::mutex> lock(lane_->mutex);
+      lane_->waiting = lane_->checking = false;
+    }
+    const double* s = sums.data_ptr<double>() + inline_;
+    const double n = s[kActive];
+    if (n == 0) break;  // every rank has joined
+    const Outcome checked = verify(sums, nullptr, position);
+    {
+      std::lock_guard<std::mutex> lock(lane_->mutex);
+      ++lane_->passed;
+    }
+    if (checked.served) continue;  // the sum travelled in the check, this rank's zeros with it
     // What the active ranks issue, with nothing of this rank's in it.
-    const auto row = rows[active];
-    const auto op = static_cast<Op>(row[kOp].item<int64_t>());
+    const auto op = static_cast<Op>(std::lround(s[kOp] / n));
+    const auto dtype = std::lround(s[kDtype] / n);
     torch::Tensor zeros;
-    if (row[kDtype].item<int64_t>() >= 0)
-      zeros = torch::zeros({row[kNumel].item<int64_t>()},
-                           torch::TensorOptions(static_cast<c10::ScalarType>(row[kDtype].item<int64_t>())).device(device_));
-    int root = static_cast<int>(row[kRoot].item<int64_t>());
-    if (root == kAuthority) {
-      root = 0;
-      if (rows[0][kState].item<int64_t>() == kJoined)
-        for (int r = 0; r < world_size(); ++r)
-          if (rows[r][kState].item<int64_t>() != kJoined) root = r;
-    }
+    if (dtype >= 0)
+      zeros = torch::zeros({static_cast<int64_t>(std::llround(s[kNumel] / n))},
+                           torch::TensorOptions(static_cast<c10::ScalarType>(dtype)).device(device_));
     switch (op) {
       case Op::allreduce: sum_unchecked(zeros)->waitAndThrow(); break;
-      case Op::broadcast: broadcast_unchecked(zeros, root); break;
+      case Op::broadcast: broadcast_unchecked(zeros, checked.root); break;
       case Op::gather: gather_unchecked(zeros); break;
       case Op::allgather: allgather_unchecked(zeros); break;
-      case Op::barrier: issue("barrier", torch::Tensor()); group_->barrier()->wait(); break;
+      case Op::barrier:
+        if (check_ == Check::alongside) group_->barrier()->wait();
+        break;
     }
-    std::lock_guard<std::mutex> lock(lane_->mutex);
-    ++lane_->passed;
   }
+  // Every rank has joined: the one whose lane passed the most checks
+  // before joining joined last.
+  auto stamps = torch::zeros({world_size()}, torch::kFloat64);
+  stamps[rank()] = static_cast<double>(stamp);
+  exchange_check(stamps);
+  return static_cast<int>(stamps.argmax().item<int64_t>());
 }
 
 void Channel::issue(const char* kind, const torch::Tensor& tensor) {
@@ -216,20 +305,31 @@ std::vector<std::pair<std::string, std::string>> items_of(const std::string& tex
   return items;
 }
 
-// How rank `r`'s items first differ from rank 0's ("" where they do not).
+// How rank `r`'s items first differ from rank `first`'s ("" where they do not).
 std::string first_difference(const std::vector<std::pair<std::string, std::string>>& zero,
-                             const std::vector<std::pair<std::string, std::string>>& theirs, int r) {
-  const std::string who = "rank " + std::to_string(r);
+                             const std::vector<std::pair<std::string, std::string>>& theirs, int r, int first) {
+  const std::string who = "rank " + std::to_string(r), whom = "rank " + std::to_string(first);
   for (size_t i = 0; i < std::max(zero.size(), theirs.size()); ++i) {
     if (i < zero.size() && i < theirs.size() && zero[i] == theirs[i]) continue;
     if (i < zero.size() && i < theirs.size() && zero[i].first == theirs[i].first)
-      return who + "'s " + zero[i].first + " is " + theirs[i].second + ", rank 0's is " + zero[i].second;
+      return who + "'s " + zero[i].first + " is " + theirs[i].second + ", " + whom + "'s is " + zero[i].second;
+    const auto holds = [](const auto& items, const std::string& name) {
+      return std::find_if(items.begin(), items.end(), [&](const auto& item) { return item.first == name; });
+    };
     if (i < theirs.size()) {
-      const bool zero_has = std::any_of(zero.begin(), zero.end(), [&](const auto& z) { return z.first == theirs[i].first; });
-      if (!zero_has) return who + " has " + theirs[i].first + " (" + theirs[i].second + "), rank 0 has none";
+      const auto in_zero = holds(zero, theirs[i].first);
+      if (in_zero == zero.end())
+        return who + " has " + theirs[i].first + " (" + theirs[i].second + "), " + whom + " has none";
+      if (in_zero->second == theirs[i].second && i < zero.size() && holds(theirs, zero[i].first) != theirs.end())
+        return who + " registers " + theirs[i].first + " where " + whom + " registers " + zero[i].first +
+               ": the same tensors in another order";
     }
-    if (i < zero.size()) return who + " has no " + zero[i].first + ", rank 0's is " + zero[i].second;
-    return who + " has " + theirs[i].first + " (" + theirs[i].second + "), rank 0 has none";
+    if (i < zero.size() && holds(theirs, zero[i].first) == theirs.end())
+      return who + " has no " + zero[i].first + ", " + whom + "'s is " + zero[i].second;
+    if (i < zero.size() && i < theirs.size())
+      return who + "'s " + theirs[i].first + " is " + theirs[i].second + " where " + whom + " has " + zero[i].first +
+             " (" + zero[i].second + ")";
+    return who + " has " + theirs[i].first + " (" + theirs[i].second + "), " + whom + " has none";
   }
   return "";
 }
@@ -254,9 +354,15 @@ void Channel::agree(const std::vector<std::pair<std::string, std::string>>& item
     const auto* bytes = static_cast<const char*>(all[r].data_ptr());
     return std::string(bytes, static_cast<size_t>(lengths[r].item<int64_t>()));
   };
-  const auto zero = items_of(text_of_rank(0));
-  for (int r = 1; r < world_size(); ++r) {
-    const std::string difference = first_difference(zero, items_of(text_of_rank(r)), r);
+  // A rank that has joined serves the allgathers with zeros: it said nothing.
+  int first = -1;
+  for (int r = 0; r < world_size() && first < 0; ++r)
+    if (lengths[r].item<int64_t>() > 0) first = r;
+  if (first < 0) return;
+  const auto reference = items_of(text_of_rank(first));
+  for (int r = first + 1; r < world_size(); ++r) {
+    if (lengths[r].item<int64_t>() == 0) continue;
+    const std::string difference = first_difference(reference, items_of(text_of_rank(r)), r, first);
     if (!difference.empty()) throw UsageError(subject + ": " + difference + ": " + advice);
   }
 }

@@ -14,21 +14,76 @@ FuturePtr completed_future(const torch::Tensor& tensor) {
   return future;
 }
 
-Channel::Channel(GroupPtr group, torch::Device device, const Backend& backend, std::unique_ptr<SharedMemoryReducer> shared,
-                 GroupPtr check_group, std::shared_ptr<CollectiveWatch> watch, const std::string& lane)
+Channel::Channel(GroupPtr group, torch::Device device, const Backend& backend, Check check,
+                 std::unique_ptr<SharedMemoryReducer> shared, GroupPtr check_group, std::shared_ptr<CollectiveWatch> watch,
+                 const std::string& lane)
     : group_(std::move(group)),
       device_(device),
       backend_(backend),
+      check_(check),
       shared_(std::move(shared)),
       check_group_(check_group ? std::move(check_group) : group_),
       watch_(std::move(watch)),
-      lane_(watch_ ? watch_->lane(lane) : std::make_shared<LaneState>(lane)) {}
+      lane_(watch_ ? watch_->lane(lane) : std::make_shared<LaneState>(lane)),
+      inline_(check == Check::before ? kInline : 0) {}
 
 Channel::~Channel() = default;
 
 FuturePtr Channel::allreduce_sum(torch::Tensor tensor) {
+  const bool small_float = tensor.numel() <= inline_ && tensor.is_cpu() &&
+                           (tensor.scalar_type() == torch::kFloat || tensor.scalar_type() == torch::kDouble);
+  if (small_float && world_size() > 1) {
+    issue("allreduce", tensor);
+    check(Op::allreduce, tensor, 0, &tensor);
+    return completed_future(tensor);
+  }
   check(Op::allreduce, tensor, 0);
   return sum_unchecked(std::move(tensor));
+}
+
+void Channel::await(const port::WorkPtr& work) {
+  CollectiveWatch::Wait wait;
+  for (;;) {
+    try {
+      work->wait(std::chrono::milliseconds(100));
+      return;
+    } catch (...) {
+      // The slice ran out, or the work failed (or completed just after the
+      // slice ran out): a completed work's plain wait says which.
+      if (work->isCompleted()) break;
+    }
+    if (watch_) watch_->stalled(*lane_, wait);
+  }
+  try {
+    work->wait();
+  } catch (...) {
+    explained(std::current_exception());
+  }
+}
+
+void Channel::explained(std::exception_ptr error) {
+  if (watch_) {
+    if (auto mismatch = watch_->mismatch()) std::rethrow_exception(mismatch);
+    error = watch_->explain_loss(*lane_, error);
+  }
+  std::rethrow_exception(error);
+}
+
+void Channel::finish(const port::WorkPtr& work) {
+  if (backend_.on_device) {  // NCCL's wait in slices would abort its communicator
+    work->wait();
+    return;
+  }
+  struct Waiting {
+    LaneState& lane;
+    explicit Waiting(LaneState& l) : lane(l) { set(true); }
+    ~Waiting() { set(false); }
+    void set(bool on) {
+      std::lock_guard<std::mutex> lock(lane.mutex);
+      lane.waiting = on;
+    }
+  } waiting(*lane_);
+  await(work);
 }
 
 FuturePtr Channel::sum_unchecked(torch::Tensor tensor) {
@@ -94,7 +149,7 @@ void Channel::broadcast_unchecked(torch::Tensor& tensor, int root) {
   std::vector<at::Tensor> tensors{movable(tensor)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  group_->broadcast(tensors, opts)->wait();
+  finish(group_->broadcast(tensors, opts));
 }
 
 std::vector<torch::Tensor> Channel::gather_to_rank0(const torch::Tensor& tensor) {
@@ -112,7 +167,7 @@ std::vector<torch::Tensor> Channel::gather_unchecked(const torch::Tensor& tensor
   }
   c10d::GatherOptions opts;
   opts.rootRank = 0;
-  group_->gather(output, input, opts)->wait();
+  finish(group_->gather(output, input, opts));
   std::vector<torch::Tensor> out;
   if (!output.empty())
     for (auto& t : output[0]) out.push_back(t.cpu().view(tensor.scalar_type()));
@@ -129,18 +184,17 @@ torch::Tensor Channel::allgather_unchecked(const torch::Tensor& tensor) {
   issue("allgather", input[0]);
   std::vector<std::vector<at::Tensor>> output(1);
   for (int r = 0; r < world_size(); ++r) output[0].push_back(torch::empty_like(input[0]));
-  group_->allgather(output, input)->wait();
+  finish(group_->allgather(output, input));
   return torch::stack(output[0]).view(tensor.scalar_type());
 }
 
 void Channel::exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from, int64_t piece, int depth) {
   TORCH_CHECK(piece > 0 && depth > 0 && in.numel() == out.numel(), "exchange: bad pieces or sizes");
   issue("exchange", out);
-  using WorkPtr = decltype(group_->send(std::declval<std::vector<at::Tensor>&>(), 0, 0));
-  std::deque<std::pair<WorkPtr, WorkPtr>> in_flight;  // sent, received
+  std::deque<std::pair<port::WorkPtr, port::WorkPtr>> in_flight;  // sent, received
   auto finish_oldest = [&] {
-    in_flight.front().second->wait();
-    in_flight.front().first->wait();
+    finish(in_flight.front().second);
+    finish(in_flight.front().first);
     in_flight.pop_front();
   };
   for (int64_t at = 0; at < out.numel(); at += piece) {
@@ -156,12 +210,14 @@ void Channel::exchange(const torch::Tensor& out, int to, torch::Tensor& in, int 
 }
 
 void Channel::barrier() {
-  check(Op::barrier, torch::Tensor(), 0);
   issue("barrier", torch::Tensor());
-  group_->barrier()->wait();
+  // Checked before its transfer, the check is itself the barrier.
+  if (world_size() > 1 && check_ == Check::before) return void(check(Op::barrier, torch::Tensor(), 0));
+  check(Op::barrier, torch::Tensor(), 0);
+  finish(group_->barrier());
 }
 
-CollectiveStream::CollectiveStream(GroupPtr group, torch::Device device, const Backend& backend,
+CollectiveStream::CollectiveStream(GroupPtr group, torch::Device device, const Backend& backend, Check check,
                                    std::unique_ptr<SharedMemoryReducer> shared, GroupPtr check_group,
                                    std::shared_ptr<CollectiveWatch> watch, const std::string& lane)
     : rank_(group->getRank()),
@@ -169,7 +225,9 @@ CollectiveStream::CollectiveStream(GroupPtr group, torch::Device device, const B
       device_(device),
       backend_(backend),
       group_(group),
-      channel_(std::move(group), device, backend, std::move(shared), std::move(check_group), std::move(watch), lane) {
+      watch_(watch),
+      channel_(std::move(group), device, backend, check, std::move(shared), std::move(check_group), std::move(watch),
+               lane) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -198,7 +256,9 @@ CollectiveStream::Ticket CollectiveStream::post(Task task, std::string issuer) {
 
 void CollectiveStream::wait(Ticket ticket) {
   std::unique_lock<std::mutex> lock(mutex_);
-  cv_.wait(lock, [&] { return finished_ > ticket; });
+  while (!cv_.wait_for(lock, std::chrono::milliseconds(200), [&] { return finished_ > ticket; }))
+    if (watch_)
+      if (auto mismatch = watch_->mismatch()) std::rethrow_exception(mismatch);
   if (error_ && ticket >= failed_) std::rethrow_exception(error_);
 }
 

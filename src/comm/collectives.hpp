@@ -18,18 +18,28 @@
 //
 // Note on the check. A program can still issue different collectives on
 // different ranks (a model or hook that differs, a SyncBatchNorm forward on
-// one rank, a rank whose data ran out). So before each collective, every
-// rank says what it is about to issue: who issues it (the task's issuer,
-// "DDP bucket 0's backward"), the operation, the dtype, the element count
-// and the root, in one small sum over the ranks (through shared memory on
-// one host, else the lane's Gloo group, or under NCCL a Gloo group kept for
-// it), each rank in its own row. Ranks that agree issue it; ranks that do
-// not all learn at once what each was about to do and throw the same
-// CollectiveMismatch, before anything of a size the other does not expect
-// reaches the wire. A check that waits long asks the CollectiveWatch who is
-// stuck where (watch.hpp). The same rows carry ddp.join(): a rank whose data
-// ran out says so in its row, and serves the others' collectives with
-// zeros, as their rows describe them, until every rank has joined.
+// one rank, a rank whose data ran out). So each collective is preceded by a
+// check: every rank says what it is about to issue (who issues it, "DDP
+// bucket 0's backward", the operation, dtype, element count and root) as a
+// fingerprint in a fixed-size sum over the ranks, the same size whatever the
+// collective, so a mismatch can never put anything of a size another rank
+// does not expect on the wire (Gloo aborts the process then). The sums of
+// the fingerprints and of their squares tell every rank at once whether
+// all agree; a verdict rests on nothing else: two ranks' descriptions of
+// the same position of the same stream. Ranks that differ then leave their
+// own words in the store and throw the same CollectiveMismatch.
+//
+// What it costs (docs/design.md, "The check"): a small float sum (up to
+// kInline elements: SyncBatchNorm's statistics, votes, metrics) travels in
+// its own check, so it costs nothing more; a larger collective's check goes
+// over a group of its own (through shared memory on one host), so it never
+// queues behind a bucket still on the wire. Under NCCL the check travels
+// on a Gloo group beside the collective, which is issued at once, and is
+// verified when it completes: no host synchronisation per collective.
+//
+// The same check carries ddp.join(): a rank whose data ran out says so in
+// it, learns from it what the active ranks issue, and serves that with
+// zeros until every rank has joined.
 #pragma once
 
 #include <torch/torch.h>
@@ -72,9 +82,17 @@ std::string dtype_name(c10::ScalarType type);
 // The operations the check tells apart.
 enum class Op : int64_t { allreduce = 1, broadcast, gather, allgather, barrier };
 
-// A broadcast from this root is from the group's authority: rank 0, or,
-// while ranks have joined (ddp.join()), the highest rank still active.
+// A broadcast from this root is from the group's first rank with data:
+// rank 0, or, while ranks have joined (ddp.join()), the highest rank still
+// active. Its messages say "from rank 0".
 constexpr int kAuthority = -1;
+
+// How a channel checks its collectives (collectives.hpp, "the check").
+enum class Check {
+  off,        // not at all: issued as the program asks (ProcessGroupOptions().check_collectives(false))
+  before,     // each check completes before its collective is issued (Gloo: a mismatch of sizes aborts it)
+  alongside,  // the collective is issued at once, its check verified as it completes (NCCL)
+};
 
 // A test's window into a stream (the collective-order test): told of every
 // post, every task about to run and every collective issued, so that it
@@ -93,7 +111,8 @@ class StreamProbe {
 // CollectiveStream (below) touch a Channel, so its calls are never concurrent.
 //
 // With a SharedMemoryReducer (every rank on this host, CPU tensors), sums
-// of CPU tensors go through it and everything else through the group.
+// of CPU tensors and the checks go through it and everything else through
+// the group.
 //
 // Note on the link. Without shared memory, a 16-bit float tensor on the CPU
 // (float16 of 64 Ki elements or more; bfloat16 always, which Gloo may not
@@ -110,12 +129,16 @@ class StreamProbe {
 // costing the one core a node has there more than they saved.
 constexpr int64_t kLinkPieceBytes = 256 * 1024;
 constexpr int kLinkPiecesInFlight = 2;
+// A float32 or float64 sum of at most this many elements travels inside
+// its own check ("the check").
+constexpr int64_t kInline = 256;
 class Channel {
  public:
-  // `check_group`: where the check's sums go when there is no shared memory
-  // (nullptr: `group` itself); `watch` and `lane`: where this lane says
-  // how it stands (nullptr: nowhere, for a world of 1).
-  Channel(GroupPtr group, torch::Device device, const Backend& backend,
+  // `check_group`: where the checks go when there is no shared memory
+  // (a group of their own, so that a check never waits behind a bucket
+  // still on the wire); `watch` and `lane`: where this lane says how it
+  // stands (nullptr: nowhere, for a world of 1).
+  Channel(GroupPtr group, torch::Device device, const Backend& backend, Check check,
           std::unique_ptr<SharedMemoryReducer> shared = nullptr, GroupPtr check_group = GroupPtr(),
           std::shared_ptr<CollectiveWatch> watch = nullptr, const std::string& lane = "bulk");
   ~Channel();
@@ -127,8 +150,8 @@ class Channel {
 
   // Sums `tensor` over ranks in place; the future completes with it. Runs
   // asynchronously through the group (several may be in flight, completing
-  // in issue order), synchronously through shared memory or the ring (see
-  // "the link").
+  // in issue order), synchronously through shared memory, the ring (see
+  // "the link") or the check (up to kInline float elements).
   FuturePtr allreduce_sum(torch::Tensor tensor);
   // Whether CPU sums go through shared memory.
   bool shares_memory() const { return shared_ != nullptr; }
@@ -157,25 +180,62 @@ class Channel {
   // Compares every rank's `items` (name, value) with rank 0's, in two
   // allgathers; throws UsageError naming the first difference on every
   // rank: "<subject>: rank 1's fc1.weight is [512, 784] float32, rank 0's is
-  // [16, 784] float32: <advice>".
+  // [16, 784] float32: <advice>". A rank that has joined (ddp.join())
+  // says nothing and is not compared.
   void agree(const std::vector<std::pair<std::string, std::string>>& items, const std::string& subject,
              const std::string& advice);
   // ddp.join() for this lane: serves the collectives the active ranks issue,
   // with zeros, until every rank has joined. Returns the rank that joined
   // last (the one whose lane passed the most collectives before joining).
+  // Needs the check: it is how a joined rank learns what to serve.
   int serve_until_all_joined();
+  // Verifies every check still pending (Check::alongside); throws what a
+  // failed one found. A no-op otherwise.
+  void settle();
 
  private:
-  struct Checked {
-    int root = 0;          // kAuthority resolved
-    int active = 0;        // ranks that issue it (the others have joined)
+  // What a rank says of the collective it is about to issue.
+  struct Described {
+    Op op = Op::barrier;
+    int64_t dtype = -1;  // -1: no tensor
+    int64_t numel = 0;
+    int root = 0;
+    bool inlined = false;
+    std::string what;             // "DDP bucket 0's backward (allreduce, 1181066 float32)"
+    int64_t pieces[3] = {};       // its fingerprint, 16 bits a piece
   };
-  // The check (see the note at the top): throws CollectiveMismatch where
-  // the ranks disagree; returns the root resolved.
-  Checked check(Op op, const torch::Tensor& tensor, int root);
-  // Every rank's row of `row` (int64, one row each), summed.
-  torch::Tensor exchange_rows(const std::vector<int64_t>& row, const std::string& what);
-  [[noreturn]] void mismatch(const torch::Tensor& rows, const std::string& what);
+  // A check of Check::alongside in flight, and what it will be held to.
+  struct Pending {
+    uint64_t position = 0;
+    Described described;
+    torch::Tensor sums;
+    FuturePtr done;
+  };
+  struct Outcome {
+    int root = 0;         // kAuthority resolved
+    bool served = false;  // the check carried the sum itself
+  };
+  // The check before each collective (see the note at the top). `inlined`,
+  // where given, is a float sum that travels inside it.
+  Outcome check(Op op, const torch::Tensor& tensor, int root, torch::Tensor* inlined = nullptr);
+  // One check's sum over the ranks, blocking; waits as a collective of this
+  // lane (the watch) does.
+  void exchange_check(torch::Tensor& sums);
+  // What the summed check `sums` says; throws CollectiveMismatch where the
+  // active ranks differ. `mine` is nullptr for a joined rank.
+  Outcome verify(const torch::Tensor& sums, const Described* mine, uint64_t position);
+  [[noreturn]] void mismatch(uint64_t position, const std::string& mine);
+  // A check of Check::alongside that has completed, verified; false while
+  // it has not completed (`block`: waits for it).
+  bool settle_oldest(bool block);
+  torch::Tensor check_tensor(const Described* mine) const;
+  // Waits for `work` as a collective of this lane: a stall is the watch's to
+  // judge (watch.hpp), a peer lost is said in our words (explained()).
+  void await(const port::WorkPtr& work);
+  // A collective's transfer, after its check: await() where the backend
+  // allows a wait in slices, with the lane marked as waiting.
+  void finish(const port::WorkPtr& work);
+  [[noreturn]] void explained(std::exception_ptr error);
   FuturePtr sum_unchecked(torch::Tensor tensor);
   void broadcast_unchecked(torch::Tensor& tensor, int root);
   std::vector<torch::Tensor> gather_unchecked(const torch::Tensor& tensor);
@@ -189,12 +249,15 @@ class Channel {
   GroupPtr group_;
   torch::Device device_;
   const Backend& backend_;
+  const Check check_;
   std::unique_ptr<SharedMemoryReducer> shared_;
   GroupPtr check_group_;
   std::shared_ptr<CollectiveWatch> watch_;
   std::shared_ptr<LaneState> lane_;
   std::string issuer_ = "a task on the stream";
   int tag_ = 0;  // point-to-point tags, the same sequence on every rank
+  const int64_t inline_;  // elements of a sum the check can carry: kInline, or 0 where it never does
+  std::deque<std::unique_ptr<Pending>> pending_;  // Check::alongside: issued, not yet verified
 };
 
 class CollectiveStream {
@@ -204,7 +267,7 @@ class CollectiveStream {
 
   // Starts the communication thread, which makes `device` current for
   // itself. `shared`: see Channel.
-  CollectiveStream(GroupPtr group, torch::Device device, const Backend& backend,
+  CollectiveStream(GroupPtr group, torch::Device device, const Backend& backend, Check check,
                    std::unique_ptr<SharedMemoryReducer> shared = nullptr, GroupPtr check_group = GroupPtr(),
                    std::shared_ptr<CollectiveWatch> watch = nullptr, const std::string& lane = "bulk");
   // Runs what is still queued, stops the thread, and shuts the group down
@@ -227,7 +290,10 @@ class CollectiveStream {
   // mnist_ddp::Error (a backend's own exception becomes a PeerLost whose
   // line says what the lane was doing, the backend's text after it). Once a
   // task has failed, later tasks are not run (no further collectives are
-  // issued) and waiting on them rethrows that first failure.
+  // issued) and waiting on them rethrows that first failure; so does a
+  // wait while another lane of this rank has found its collectives
+  // mismatched (its collectives may never complete: NCCL's, checked
+  // alongside).
   void wait(Ticket ticket);
   // post + wait.
   void run(const Task& task, std::string issuer = "a task on the stream");
@@ -252,6 +318,7 @@ class CollectiveStream {
   const torch::Device device_;
   const Backend& backend_;
   GroupPtr group_;
+  std::shared_ptr<CollectiveWatch> watch_;
   Channel channel_;
 
   struct Queued {

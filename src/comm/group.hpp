@@ -18,6 +18,9 @@ namespace mnist_ddp {
 
 
 struct ProcessGroup::State {
+  // Tells the other ranks this one is done (CollectiveWatch::ended), then
+  // lets go of the streams.
+  ~State();
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
@@ -29,12 +32,17 @@ struct ProcessGroup::State {
   std::string launcher;
   std::string gloo_address = "127.0.0.1";
   bool shared_memory = false;
+  Check check = Check::before;  // how its streams check their collectives
   StorePtr store;
   std::shared_ptr<CollectiveWatch> watch;  // the heartbeat, and what each lane is doing
   std::shared_ptr<CollectiveStream> stream, quick;
   std::vector<std::weak_ptr<CollectiveStream>> streams;  // every stream made, for ddp.join()
   int streams_made = 0;           // by new_stream(), for their store prefixes
-  int models = 0;                 // model_stream()s handed out
+  int models = 0;                 // DistributedDataParallels built over it
+  // A view (view_of()): the group it shows through streams of its own;
+  // what a view asks of the group as a whole (its streams, its count of
+  // models) is its base's.
+  std::shared_ptr<State> base;
   std::vector<int> node_of_rank;  // where our launcher's nodes placed each rank; empty: uniform
 };
 
@@ -43,22 +51,30 @@ struct GroupAccess {
   using State = ProcessGroup::State;
   static ProcessGroup make(std::shared_ptr<State> state) { return ProcessGroup(std::move(state)); }
   static State& state(const ProcessGroup& group) { return *group.state_; }
+  static std::shared_ptr<State> share(const ProcessGroup& group) { return group.state_; }
 };
 using GroupState = GroupAccess::State;
 
 // The two ordered streams (collectives.hpp): the bulk one carries gradient
-// buckets, checkpoints and replica checks; the quick one the small
-// collectives that computation waits on (SyncBatchNorm's statistics), so
-// that none of them queues behind a bucket crossing a slow link. Under
-// NCCL, and for a world of 1, they are one.
+// buckets and what a checkpoint gathers; the quick one everything that
+// computation waits on (SyncBatchNorm's statistics, DDP's buffers and
+// start, the replica check, the program's own collectives), so that none
+// of them queues behind a bucket crossing a slow link, and so that the
+// mistakes users make (a forward on one rank, uneven inputs) meet their
+// peers' collectives on one stream, where the check sees them. Under NCCL,
+// and for a world of 1, they are one.
 const std::shared_ptr<CollectiveStream>& bulk_stream(const ProcessGroup& group);
 const std::shared_ptr<CollectiveStream>& quick_stream(const ProcessGroup& group);
 // A further stream over a group of its own. Collective: every rank calls
 // it the same number of times, in the same order.
 std::shared_ptr<CollectiveStream> new_stream(const ProcessGroup& group);
-// The stream a DistributedDataParallel's buckets take: the bulk stream for
-// the group's first, a new_stream() for each later one. Collective.
-std::shared_ptr<CollectiveStream> model_stream(const ProcessGroup& group);
+// The group as its next DistributedDataParallel uses it, and that DDP's
+// index (0, 1, ...): the group itself for the first; for each later one a
+// view of it whose every collective (buckets, SyncBatchNorm's, the
+// program's own through it) takes a new_stream() of its own, so that two
+// models trained on two threads never need their collectives matched
+// against each other. Collective: every rank builds its DDPs in one order.
+std::pair<ProcessGroup, int> model_group(const ProcessGroup& group);
 // Every stream of the group still alive, the bulk one first.
 std::vector<std::shared_ptr<CollectiveStream>> streams_of(const ProcessGroup& group);
 
@@ -82,8 +98,10 @@ ProcessGroup init_process_group(const WorkerEnv& env, const ProcessGroupOptions&
 // tensors, "nccl" CUDA tensors. With `shared_memory` (every rank on this
 // host), a Gloo group on the CPU sums through shared memory. Gloo listens
 // at `gloo_address`. Never becomes the default group.
+// `check`: how its streams check collectives; nullopt: as the backend's
+// default (Check::alongside under NCCL, Check::before otherwise).
 ProcessGroup make_process_group(StorePtr store, int rank, int world_size, const std::string& backend,
                                 c10::Device device, std::chrono::milliseconds timeout, bool shared_memory = false,
-                                const std::string& gloo_address = "127.0.0.1");
+                                const std::string& gloo_address = "127.0.0.1", std::optional<Check> check = std::nullopt);
 
 }  // namespace mnist_ddp

@@ -46,21 +46,24 @@ GroupPtr form_group(const GroupState& s, const Backend& backend, const c10::intr
 
 // The rank's group, with the store prefix `name`, behind an ordered stream
 // that its watch knows as `lane`; with shared memory (every rank on this
-// host), CPU sums go through a SharedMemoryReducer; under NCCL, the check
-// of each collective goes through a Gloo group of its own (collectives.hpp).
-std::shared_ptr<CollectiveStream> make_stream(GroupState& s, const std::string& name, const std::string& lane) {
+// host), CPU sums and the checks go through a SharedMemoryReducer; else
+// the checks go through a Gloo group of their own, so that a check never
+// waits behind a transfer still in flight (a bucket's), unless the lane's
+// transfers never outlive their task (`blocking`).
+std::shared_ptr<CollectiveStream> make_stream(GroupState& s, const std::string& name, const std::string& lane,
+                                              bool blocking = false) {
   const Backend& backend = backend_named(s.backend);
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, s.store);
   GroupPtr group = form_group(s, backend, prefixed);
-  GroupPtr check_group;
-  if (backend.on_device && s.world_size > 1)
-    check_group = form_group(s, backend_named("gloo"), c10::make_intrusive<c10d::PrefixStore>(name + "/check", s.store));
   std::unique_ptr<SharedMemoryReducer> shared;
   if (s.shared_memory && s.world_size > 1)
     shared = std::make_unique<SharedMemoryReducer>(*prefixed, s.rank, s.world_size, s.timeout,
                                                    [&] { group->barrier()->wait(); });
-  auto stream = std::make_shared<CollectiveStream>(group, s.device, backend, std::move(shared), std::move(check_group),
-                                                   s.watch, lane);
+  GroupPtr check_group;
+  if (s.world_size > 1 && s.check != Check::off && !shared && (backend.on_device || !blocking))
+    check_group = form_group(s, backend_named("gloo"), c10::make_intrusive<c10d::PrefixStore>(name + "/check", s.store));
+  auto stream = std::make_shared<CollectiveStream>(group, s.device, backend, s.check, std::move(shared),
+                                                   std::move(check_group), s.watch, lane);
   s.streams.push_back(stream);
   return stream;
 }
@@ -77,15 +80,19 @@ std::chrono::milliseconds ProcessGroup::timeout() const { return state_->timeout
 int ProcessGroup::restart() const { return state_->restart; }
 const std::string& ProcessGroup::launcher() const { return state_->launcher; }
 void ProcessGroup::allreduce_sum(at::Tensor& tensor) const {
-  state_->stream->allreduce_sum(tensor, "the program's own allreduce_sum");
+  state_->quick->allreduce_sum(tensor, "the program's own allreduce_sum");
 }
 void ProcessGroup::broadcast(at::Tensor& tensor, int root) const {
-  state_->stream->broadcast(tensor, root, "the program's own broadcast");
+  state_->quick->broadcast(tensor, root, "the program's own broadcast");
 }
 at::Tensor ProcessGroup::allgather(const at::Tensor& tensor) const {
-  return state_->stream->allgather(tensor, "the program's own allgather");
+  return state_->quick->allgather(tensor, "the program's own allgather");
 }
-void ProcessGroup::barrier() const { state_->stream->barrier("the program's own barrier"); }
+void ProcessGroup::barrier() const { state_->quick->barrier("the program's own barrier"); }
+
+ProcessGroup::State::~State() {
+  if (watch) watch->ended(std::uncaught_exceptions() == 0);  // a view has no watch of its own: its base says it
+}
 
 const std::shared_ptr<CollectiveStream>& bulk_stream(const ProcessGroup& group) {
   return GroupAccess::state(group).stream;
@@ -95,8 +102,15 @@ const std::shared_ptr<CollectiveStream>& quick_stream(const ProcessGroup& group)
 }
 const StorePtr& store_of(const ProcessGroup& group) { return GroupAccess::state(group).store; }
 
-std::shared_ptr<CollectiveStream> new_stream(const ProcessGroup& group) {
+namespace {
+GroupState& base_of(const ProcessGroup& group) {
   GroupState& s = GroupAccess::state(group);
+  return s.base ? *s.base : s;
+}
+}  // namespace
+
+std::shared_ptr<CollectiveStream> new_stream(const ProcessGroup& group) {
+  GroupState& s = base_of(group);
   if (s.world_size == 1) return s.stream;
   const int n = ++s.streams_made;
   return make_stream(s, "stream/" + std::to_string(n), "stream " + std::to_string(n));
@@ -104,13 +118,33 @@ std::shared_ptr<CollectiveStream> new_stream(const ProcessGroup& group) {
 
 std::vector<std::shared_ptr<CollectiveStream>> streams_of(const ProcessGroup& group) {
   std::vector<std::shared_ptr<CollectiveStream>> live;
-  for (const auto& stream : GroupAccess::state(group).streams)
+  for (const auto& stream : base_of(group).streams)
     if (auto s = stream.lock()) live.push_back(std::move(s));
   return live;
 }
 
-std::shared_ptr<CollectiveStream> model_stream(const ProcessGroup& group) {
-  return GroupAccess::state(group).models++ == 0 ? GroupAccess::state(group).stream : new_stream(group);
+std::pair<ProcessGroup, int> model_group(const ProcessGroup& group) {
+  const int k = base_of(group).models++;
+  if (k == 0 || group.world_size() == 1) return {group, k};
+  GroupState& s = GroupAccess::state(group);
+  auto view = std::make_shared<GroupState>();
+  view->rank = s.rank;
+  view->world_size = s.world_size;
+  view->local_rank = s.local_rank;
+  view->local_world_size = s.local_world_size;
+  view->backend = s.backend;
+  view->device = s.device;
+  view->timeout = s.timeout;
+  view->restart = s.restart;
+  view->launcher = s.launcher;
+  view->gloo_address = s.gloo_address;
+  view->shared_memory = s.shared_memory;
+  view->check = s.check;
+  view->store = s.store;
+  view->node_of_rank = s.node_of_rank;
+  view->base = s.base ? s.base : GroupAccess::share(group);
+  view->stream = view->quick = new_stream(group);
+  return {GroupAccess::make(view), k};
 }
 
 int node_of(const ProcessGroup& group, int rank) {
@@ -178,6 +212,8 @@ std::optional<ProcessGroup> joined_before(const ProcessGroupOptions& options) {
     other = "another timeout";
   else if (!options.settings().empty())
     other = "settings to compare";
+  else if (options.check_collectives() != (state->check != Check::off))
+    other = std::string("the check of collectives ") + (options.check_collectives() ? "on" : "off");
   if (!other.empty())
     throw UsageError("init_process_group: called a second time, asking for " + other +
                      "; a process joins its job once: call it once and pass the group on");
@@ -185,9 +221,10 @@ std::optional<ProcessGroup> joined_before(const ProcessGroupOptions& options) {
 }
 
 std::shared_ptr<GroupState> form(StorePtr store, int rank, int world_size, const Backend& backend,
-                                          torch::Device device, std::chrono::milliseconds timeout,
-                                          bool shared_memory, const std::string& gloo_address) {
+                                 torch::Device device, std::chrono::milliseconds timeout, bool shared_memory,
+                                 const std::string& gloo_address, std::optional<Check> check) {
   auto s = std::make_shared<GroupState>();
+  s->check = check ? *check : backend.on_device ? Check::alongside : Check::before;
   s->rank = rank;
   s->world_size = world_size;
   s->backend = backend.name;
@@ -198,7 +235,7 @@ std::shared_ptr<GroupState> form(StorePtr store, int rank, int world_size, const
   s->shared_memory = shared_memory && !backend.on_device && device.is_cpu();
   if (world_size > 1) s->watch = std::make_shared<CollectiveWatch>(s->store, rank, world_size, timeout);
   s->stream = make_stream(*s, "main", "bulk");
-  s->quick = !backend.lanes || world_size == 1 ? s->stream : make_stream(*s, "quick", "quick");
+  s->quick = !backend.lanes || world_size == 1 ? s->stream : make_stream(*s, "quick", "quick", /*blocking=*/true);
   return s;
 }
 
@@ -263,9 +300,9 @@ std::optional<WorkerEnv> pod_worker(const Environment& environment) {
 
 ProcessGroup make_process_group(StorePtr store, int rank, int world_size, const std::string& backend,
                                 c10::Device device, std::chrono::milliseconds timeout, bool shared_memory,
-                                const std::string& gloo_address) {
-  return GroupAccess::make(
-      form(std::move(store), rank, world_size, backend_named(backend), device, timeout, shared_memory, gloo_address));
+                                const std::string& gloo_address, std::optional<Check> check) {
+  return GroupAccess::make(form(std::move(store), rank, world_size, backend_named(backend), device, timeout,
+                                shared_memory, gloo_address, check));
 }
 
 ProcessGroup init_process_group(const WorkerEnv& launched, const ProcessGroupOptions& options) {
@@ -284,7 +321,8 @@ ProcessGroup init_process_group(const WorkerEnv& launched, const ProcessGroupOpt
   check_settings(client, rank, world_size, options.settings(), timeout);
   // A CPU job on one host sums through shared memory (shared_memory.hpp).
   const bool one_host = world_size == env.local_world_size;
-  auto state = form(store, rank, world_size, backend, device, timeout, one_host, local_address_towards(env.master_addr));
+  auto state = form(store, rank, world_size, backend, device, timeout, one_host, local_address_towards(env.master_addr),
+                    options.check_collectives() ? std::nullopt : std::optional<Check>(Check::off));
   state->restart = restart;
   state->local_rank = env.local_rank;
   state->local_world_size = env.local_world_size;
@@ -306,7 +344,7 @@ ProcessGroup join_or_stay_alone(const ProcessGroupOptions& options) {
   alone.world_size = 1;
   const torch::Device device = device_for(alone, options);
   auto state = form(c10::make_intrusive<c10d::HashStore>(), 0, 1, backend_for(alone, options, device), device,
-                    timeout_for(alone, options), false, "127.0.0.1");
+                    timeout_for(alone, options), false, "127.0.0.1", std::nullopt);
   return made_default(GroupAccess::make(state), state);
 }
 

@@ -234,7 +234,9 @@ void SharedMemoryReducer::barrier(const std::function<void()>& stalled) {
     for (int i = 0; i < 64; ++i) cpu_relax();
     if (all_arrived(n)) return;
   }
-  const auto deadline = Clock::now() + timeout_;
+  // A caller that watches its own wait (`stalled`) names a timeout itself,
+  // with where every rank waits (watch.hpp).
+  const auto deadline = stalled ? Clock::time_point::max() : Clock::now() + timeout_;
   for (;;) {
     const uint32_t seen = wake.load();
     if (all_arrived(n)) return;

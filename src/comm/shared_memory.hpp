@@ -47,7 +47,8 @@ class SharedMemoryReducer {
   // place. Throws PeerLost when a rank's process ended and Timeout naming
   // the ranks that did not arrive within the timeout.
   // `stalled`, where given, is called every few milliseconds while a
-  // barrier waits for a peer, and may throw to end the wait.
+  // barrier waits for a peer, and may throw to end the wait; it then names
+  // the timeout too (this call throws Timeout only without it).
   void allreduce_sum(at::Tensor& tensor, const std::function<void()>& stalled = nullptr);
 
  private:

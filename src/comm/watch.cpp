@@ -1,7 +1,6 @@
 #include "comm/watch.hpp"
 
 #include <algorithm>
-#include <sstream>
 #include <thread>
 
 #include "mnist_ddp/base/errors.hpp"
@@ -14,15 +13,14 @@ using Clock = std::chrono::steady_clock;
 // Separators no description holds.
 constexpr char kBeatEnd = '\x1d', kLaneEnd = '\x1e', kField = '\x1f';
 
-// When a waiting collective first looks at the others, and how far apart
-// its two looks are: each spans more than two heartbeats, so a rank's
-// status has been written since, unless it is gone.
-constexpr auto kFirstLook = std::chrono::seconds(2);
-constexpr auto kLookApart = std::chrono::milliseconds(2500);
+// How long a collective waits before it looks at the store, and how often
+// it looks then.
+constexpr auto kFirstLook = std::chrono::seconds(1);
+constexpr auto kLookEvery = std::chrono::milliseconds(500);
+// How long a rank that found a mismatch waits for the others' words.
+constexpr auto kWordsWithin = std::chrono::seconds(5);
 
-// Where the first rank to find its collectives stuck leaves its line for
-// the others, and where each says it read it.
-const std::string kVerdict = "collectives/verdict";
+const std::string kEnded = "ended";  // how many ranks have ended; "ended/<rank>": where its lanes stood
 
 std::vector<std::string> split(const std::string& s, char by) {
   std::vector<std::string> parts;
@@ -35,7 +33,7 @@ std::vector<std::string> split(const std::string& s, char by) {
 // A heartbeat without its counter: what a rank says of its lanes.
 std::string status_part(const std::string& heartbeat) {
   const size_t end = heartbeat.find(kBeatEnd);
-  return end == std::string::npos ? "" : heartbeat.substr(end + 1);
+  return end == std::string::npos ? heartbeat : heartbeat.substr(end + 1);
 }
 
 std::string ranks_text(const std::vector<int>& ranks) {
@@ -43,6 +41,8 @@ std::string ranks_text(const std::vector<int>& ranks) {
   for (int r : ranks) who += (who.empty() ? "" : ", ") + std::to_string(r);
   return (ranks.size() > 1 ? "ranks " : "rank ") + who;
 }
+
+bool contains(const std::string& text, const char* piece) { return text.find(piece) != std::string::npos; }
 
 }  // namespace
 
@@ -54,14 +54,13 @@ struct CollectiveWatch::Beat {
   std::condition_variable cv;
   bool stopping = false, stopped = false;
   int64_t count = 0;
-  std::vector<std::weak_ptr<LaneState>> lanes;  // under mutex
+  std::vector<std::shared_ptr<LaneState>> lanes;  // under mutex
 
   std::string status() {
     std::vector<std::shared_ptr<LaneState>> live;
     {
       std::lock_guard<std::mutex> lock(mutex);
-      for (const auto& l : lanes)
-        if (auto lane = l.lock()) live.push_back(std::move(lane));
+      live = lanes;
     }
     std::string out;
     for (const auto& lane : live) {
@@ -72,7 +71,7 @@ struct CollectiveWatch::Beat {
     return out;
   }
 
-  // Writes the heartbeat once; false when the store is gone or stalled.
+  // Writes the heartbeat once; false when the store refused it.
   bool publish() {
     int64_t n;
     {
@@ -87,13 +86,14 @@ struct CollectiveWatch::Beat {
     }
   }
 
+  // Once a second until stopped; a store that refuses a write (busy, or
+  // stalled for a while) is tried again the next second.
   static void run(const std::shared_ptr<Beat>& beat) {
     std::unique_lock<std::mutex> lock(beat->mutex);
     while (!beat->stopping) {
       lock.unlock();
-      const bool written = beat->publish();
+      beat->publish();
       lock.lock();
-      if (!written) break;  // someone will say so
       beat->cv.wait_for(lock, std::chrono::seconds(1), [&] { return beat->stopping; });
     }
     beat->stopped = true;
@@ -134,6 +134,25 @@ std::map<int, std::string> CollectiveWatch::read_all() {
   return all;
 }
 
+std::map<int, std::string> CollectiveWatch::read_ended() {
+  std::map<int, std::string> ended;
+  for (int r = 0; r < world_size_; ++r) {
+    const std::string key = kEnded + "/" + std::to_string(r);
+    if (r != rank_ && beat_->client.check({key})) ended[r] = beat_->client.get(key);
+  }
+  return ended;
+}
+
+void CollectiveWatch::ended(bool cleanly) {
+  try {
+    beat_->client.set(kEnded + "/" + std::to_string(rank_), (cleanly ? "clean" : "error") + std::string(1, kBeatEnd) +
+                                                                beat_->status());
+    beat_->client.add(kEnded, 1);
+  } catch (const std::exception&) {
+    // The store is gone: so is the job; nobody waits to be told.
+  }
+}
+
 std::map<std::string, LaneView> lanes_of(const std::string& heartbeat) {
   std::map<std::string, LaneView> lanes;
   const std::string status = status_part(heartbeat);
@@ -155,23 +174,26 @@ std::map<std::string, LaneView> lanes_of(const std::string& heartbeat) {
 }
 
 std::string mismatch_advice(const std::vector<std::string>& whats) {
+  auto any = [&](auto pred) { return std::any_of(whats.begin(), whats.end(), pred); };
+  auto all = [&](auto pred) { return std::all_of(whats.begin(), whats.end(), pred); };
   auto training = [](const std::string& w) {  // a collective of a training step's
-    return w.find("DDP bucket") != std::string::npos || w.find("SyncBatchNorm") != std::string::npos ||
-           w.find("DistributedDataParallel's buffers") != std::string::npos || w.find("GradScaler") != std::string::npos;
+    return contains(w, "DDP bucket") || contains(w, "DDP's bucket") || contains(w, "SyncBatchNorm") ||
+           contains(w, "DistributedDataParallel's buffers") || contains(w, "GradScaler");
   };
-  auto forward = [](const std::string& w) {
-    return w.find("SyncBatchNorm") != std::string::npos && w.find("'s forward") != std::string::npos;
+  auto sampling = [](const std::string& w) {  // a train-mode forward without autograd: sampling, evaluating
+    return contains(w, "SyncBatchNorm") && contains(w, "'s forward without autograd");
   };
-  const bool some_training = std::any_of(whats.begin(), whats.end(), training);
-  const bool all_training = std::all_of(whats.begin(), whats.end(), training);
-  if (some_training && !all_training)
+  auto forward = [](const std::string& w) { return contains(w, "SyncBatchNorm") && contains(w, "'s forward"); };
+  auto bucket = [](const std::string& w) { return contains(w, "DDP bucket") || contains(w, "DDP's bucket"); };
+  const std::string syncbn =
+      "a train-mode forward through SyncBatchNorm must run on every rank (evaluate or sample under eval(), or on "
+      "every rank)";
+  if (any(sampling)) return syncbn;
+  if (any(training) && !all(training))
     return "the ranks ran different numbers of steps (uneven inputs): give every rank as many batches, or wrap "
            "each rank's training loop in ddp.join()";
-  if (std::any_of(whats.begin(), whats.end(), forward))
-    return "a train-mode forward through SyncBatchNorm must run on every rank (evaluate or sample under eval(), "
-           "or on every rank)";
-  if (std::all_of(whats.begin(), whats.end(), [](const std::string& w) { return w.find("DDP bucket") != std::string::npos; }))
-    return "every rank must build the same model and register the same communication hook";
+  if (any(forward)) return syncbn;
+  if (all(bucket)) return "every rank must build the same model and register the same communication hook";
   return "every rank must issue the same collectives in the same order (docs/library.md, \"What is checked\")";
 }
 
@@ -181,115 +203,129 @@ void CollectiveWatch::mismatched(std::exception_ptr error) {
   has_mismatch_ = true;
 }
 
-void CollectiveWatch::end_with(const std::string& verdict) {
-  // The others may look a little later than this rank did, and a launcher
-  // stops every rank once one has ended: so the first verdict goes to the
-  // store, each rank says it has read it (every stalled() call looks), and
-  // every rank ends once all have, within a few seconds, with the same line.
-  std::string line = verdict;
-  try {
-    line = beat_->client.compare_set(kVerdict, "", verdict);
-    beat_->client.set(kVerdict + "/seen/" + std::to_string(rank_), "1");
-    std::vector<std::string> seen;
-    for (int r = 0; r < world_size_; ++r) seen.push_back(kVerdict + "/seen/" + std::to_string(r));
-    beat_->client.wait(seen, std::chrono::seconds(3));
-  } catch (const std::exception&) {
-  }
-  const CollectiveMismatch error(line);
-  mismatched(std::make_exception_ptr(error));  // this rank's other lanes end with it too
-  throw error;
+std::exception_ptr CollectiveWatch::mismatch() const {
+  if (!has_mismatch_) return nullptr;
+  std::lock_guard<std::mutex> lock(mismatch_mutex_);
+  return mismatch_;
 }
 
-void CollectiveWatch::stalled(LaneState& lane, Wait& wait) {
-  if (has_mismatch_) {
-    std::lock_guard<std::mutex> lock(mismatch_mutex_);
-    std::rethrow_exception(mismatch_);
+std::string CollectiveWatch::mismatch_line(const std::string& lane, uint64_t position, const std::string& mine) {
+  const std::string prefix = "check/" + lane + "/" + std::to_string(position) + "/";
+  std::vector<std::string> whats(static_cast<size_t>(world_size_));
+  whats[static_cast<size_t>(rank_)] = mine;
+  try {
+    beat_->client.set(prefix + std::to_string(rank_), mine);
+    std::vector<std::string> keys;
+    for (int r = 0; r < world_size_; ++r) keys.push_back(prefix + std::to_string(r));
+    beat_->client.wait(keys, kWordsWithin);
+    for (int r = 0; r < world_size_; ++r)
+      if (r != rank_ && beat_->client.check({keys[r]})) whats[r] = beat_->client.get(keys[r]);
+  } catch (const std::exception&) {
+    // The store does not answer: the line says what this rank knows.
   }
-  const auto now = Clock::now();
-  if (now - wait.since < kFirstLook) return;
-  // Another rank's verdict, if one has come: this rank ends with it. Looked
-  // for ten times a second (a shared-memory wait calls this every 5 ms).
-  if (now >= wait.next_verdict) {
-    wait.next_verdict = now + std::chrono::milliseconds(100);
-    try {
-      if (beat_->client.check({kVerdict})) end_with(beat_->client.get(kVerdict));
-    } catch (const CollectiveMismatch&) {
-      throw;
-    } catch (const std::exception&) {
-      return;  // the store does not answer: the wait's own timeout will say so
-    }
+  std::string line;
+  std::vector<std::string> said;
+  for (int r = 0; r < world_size_; ++r) {
+    const std::string& what = whats[static_cast<size_t>(r)];
+    if (what.empty()) continue;
+    line += (line.empty() ? "rank " : "; rank ") + std::to_string(r) + " is in " + what;
+    said.push_back(what);
   }
-  if (now < wait.next_look) return;
-  wait.next_look = now + std::chrono::milliseconds(500);
+  return line + ": " + mismatch_advice(said);
+}
+
+std::exception_ptr CollectiveWatch::ended_before(LaneState& lane, const std::map<int, std::string>& ended) {
   std::string mine;
   uint64_t passed;
   {
     std::lock_guard<std::mutex> lock(lane.mutex);
+    if (!lane.checking) return nullptr;  // past the check: every rank reached this collective
     mine = lane.what;
     passed = lane.passed;
   }
+  std::vector<int> who;
+  std::string last;
+  for (const auto& [r, record] : ended) {
+    const auto lanes = lanes_of(record);
+    const auto theirs = lanes.find(lane.name);
+    if (theirs != lanes.end() && theirs->second.passed > passed) continue;  // it passed this check: not the one missing
+    if (record.rfind("clean", 0) != 0)  // it failed: its own line says why, this one only echoes it
+      return std::make_exception_ptr(PeerLost("rank " + std::to_string(r) + " ended with an error while rank " +
+                                              std::to_string(rank_) + " was in " + mine));
+    who.push_back(r);
+    if (last.empty() && theirs != lanes.end() && theirs->second.passed > 0) last = theirs->second.what;
+  }
+  if (who.empty()) return nullptr;
+  const std::string line = "rank " + std::to_string(rank_) + " is in " + mine + "; " + ranks_text(who) + " ended " +
+                           (who.size() > 1 ? "their programs" : "its program") +
+                           (last.empty() ? std::string() : " (the last collective it passed there: " + last + ")") +
+                           ": " + mismatch_advice({mine, kEndOfProgram});
+  return std::make_exception_ptr(CollectiveMismatch(line));
+}
+
+std::exception_ptr CollectiveWatch::explain_loss(LaneState& lane, std::exception_ptr error) {
+  try {
+    if (auto mismatch = ended_before(lane, read_ended())) return mismatch;
+  } catch (const std::exception&) {
+    // The store is gone with the peer: the loss is all there is to say.
+  }
+  return error;
+}
+
+void CollectiveWatch::stalled(LaneState& lane, Wait& wait) {
+  if (auto error = mismatch()) std::rethrow_exception(error);
+  const auto now = Clock::now();
+  if (now - wait.since < kFirstLook || now < wait.next_look) return;
+  wait.next_look = now + kLookEvery;
+  try {
+    // A rank that ended its program will never come: one counter says
+    // whether any did since the last look.
+    const int64_t ended = beat_->client.add(kEnded, 0);
+    if (ended != wait.ended_seen) {
+      wait.ended_seen = ended;
+      if (auto mismatch = ended_before(lane, read_ended())) std::rethrow_exception(mismatch);
+    }
+  } catch (const CollectiveMismatch&) {
+    throw;
+  } catch (const std::exception&) {
+    // The store does not answer: the timeout below still holds.
+  }
+  if (now - wait.since < timeout_) return;
+  // The timeout: who did not come, and where each of them is.
+  std::string mine;
+  uint64_t passed;
+  bool checking;
+  {
+    std::lock_guard<std::mutex> lock(lane.mutex);
+    mine = lane.what;
+    passed = lane.passed;
+    checking = lane.checking;
+  }
   std::map<int, std::string> all;
   try {
-    beat_->publish();  // where this rank waits, for the others' looks
     all = read_all();
   } catch (const std::exception&) {
-    return;  // the store does not answer: the wait's own timeout will say so
   }
-  if (!wait.first) {
-    wait.first = all;
-    wait.first_at = now;
-    return;
-  }
-  if (now - wait.first_at < kLookApart) return;
-  // Gone: no heartbeat since the first look.
-  std::vector<int> gone;
-  for (int r = 0; r < world_size_; ++r)
-    if (r != rank_ && all.count(r) && wait.first->count(r) && all.at(r) == wait.first->at(r)) gone.push_back(r);
-  if (!gone.empty())
-    throw PeerLost("lost " + ranks_text(gone) + ": no heartbeat for " +
-                   std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now - wait.first_at).count()) +
-                   " s while rank " + std::to_string(rank_) + " waited in " + mine);
-  // Who is with this rank, who waits in another collective, who is elsewhere.
-  bool stuck = true;
-  std::map<int, std::string> in;  // rank -> the collective it waits in
-  in[rank_] = mine;
-  std::vector<int> elsewhere;
-  std::string last_seen;
+  std::vector<int> missing;
+  std::string where;
   for (int r = 0; r < world_size_; ++r) {
     if (r == rank_) continue;
     const auto lanes = lanes_of(all.count(r) ? all.at(r) : "");
     const auto here = lanes.find(lane.name);
-    if (here != lanes.end() && here->second.waiting && here->second.passed == passed) {
-      in[r] = mine;  // with this rank
-      continue;
-    }
-    const bool same = all.count(r) && wait.first->count(r) && status_part(all.at(r)) == status_part(wait.first->at(r));
+    if (here != lanes.end() && here->second.waiting && here->second.passed == passed) continue;  // with this rank
+    missing.push_back(r);
     std::string waits_in;
     for (const auto& [name, view] : lanes)
       if (view.waiting) waits_in = view.what;
-    if (!waits_in.empty() && same) {
-      in[r] = waits_in;
-    } else {
-      stuck = false;
-      elsewhere.push_back(r);
-      if (here != lanes.end() && last_seen.empty()) last_seen = here->second.what;
-    }
+    std::string said = !waits_in.empty() ? "waits in " + waits_in
+                       : here != lanes.end() && !here->second.what.empty() ? "last passed " + here->second.what
+                       : all.count(r) ? "said nothing of this stream in its last heartbeat"
+                                      : "has written no heartbeat";
+    where += "; rank " + std::to_string(r) + " " + said;
   }
-  if (stuck) {  // the same line on every rank: ranks in order
-    std::string line;
-    std::vector<std::string> whats;
-    for (const auto& [r, what] : in) {
-      line += (line.empty() ? "rank " : "; rank ") + std::to_string(r) + " is in " + what;
-      whats.push_back(what);
-    }
-    end_with(line + ": " + mismatch_advice(whats));
-  }
-  if (now - wait.since >= timeout_)
-    throw Timeout(ranks_text(elsewhere) + " alive but did not reach " + mine + " within " +
-                  std::to_string(timeout_.count() / 1000) + " s (the timeout)" +
-                  (last_seen.empty() ? std::string() : "; the last collective it passed there: " + last_seen));
-  wait.first = all;
-  wait.first_at = now;
+  const std::string who = missing.empty() ? "the other ranks" : ranks_text(missing);
+  throw CollectiveTimedOut(who + " did not reach " + mine + (checking ? "" : "'s transfer") + " within " +
+                std::to_string(timeout_.count() / 1000) + " s (the timeout)" + where);
 }
 
 }  // namespace mnist_ddp

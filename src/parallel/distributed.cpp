@@ -17,24 +17,6 @@ namespace mnist_ddp {
 
 using detail::Reducer;
 
-namespace {
-
-// FNV-1a over 64-bit words (and the tail's bytes): a checksum of tensors'
-// bytes that needs nothing but the bytes.
-uint64_t checksum(uint64_t hash, const torch::Tensor& cpu) {
-  const auto* bytes = static_cast<const unsigned char*>(cpu.data_ptr());
-  const size_t n = static_cast<size_t>(cpu.numel()) * cpu.element_size();
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t word;
-    std::memcpy(&word, bytes + i, 8);
-    hash = (hash ^ word) * 0x100000001b3ull;
-  }
-  for (; i < n; ++i) hash = (hash ^ bytes[i]) * 0x100000001b3ull;
-  return hash;
-}
-
-}  // namespace
 
 std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<int64_t>& sizes_bytes,
                                                            int64_t first_cap_bytes, int64_t cap_bytes,
@@ -61,12 +43,49 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<int
   return buckets;
 }
 
+uint64_t checksum(const std::vector<torch::Tensor>& tensors) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (const auto& t : tensors) {
+    const torch::Tensor cpu = t.detach().cpu().contiguous();
+    const auto* bytes = static_cast<const unsigned char*>(cpu.data_ptr());
+    const size_t n = static_cast<size_t>(cpu.numel()) * cpu.element_size();
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t word;
+      std::memcpy(&word, bytes + i, 8);
+      hash = (hash ^ word) * 0x100000001b3ull;
+    }
+    for (; i < n; ++i) hash = (hash ^ bytes[i]) * 0x100000001b3ull;
+  }
+  return hash;
+}
+
+// Note on a backward through model->forward. Its gradients reach .grad
+// without averaging. That is harmless while they wait there: the next
+// averaging backward takes them in (accumulation), and a local backward
+// that is never stepped (an evaluation's) changes nothing. It is a mistake
+// once an optimizer has stepped on them: the replicas have drifted apart.
+// So such a backward leaves a checksum of the parameters, and the next
+// ddp.forward, replica check or join compares it (an optimizer may step
+// through a tensor's .data(), which a version counter does not see).
+void Reducer::check_bypass() {
+  if (!bypassed_at_) return;
+  const uint64_t then = *bypassed_at_;
+  bypassed_at_.reset();
+  if (checksum(params_) != then)
+      throw UsageError("backward through model->forward: gradients were not averaged; call ddp.forward (a "
+                       "backward reached the parameters of a DistributedDataParallel without a ddp.forward, and "
+                       "they have changed since, as an optimizer step on those gradients changes them)");
+}
+
 // Note on the replica check. Each rank hashes the bytes of its parameters
 // and buffers; one broadcast of rank 0's hash and one allreduce of "mine
 // differs" settle it. Only when some rank differs does rank 0 send its whole
 // state, so each rank can measure how far it is off.
 void Reducer::check_replicas(const std::string& when) {
+  check_bypass();
   torch::NoGradGuard no_grad;
+  const std::string issuer = this->issuer("the replica check");
   std::vector<std::string> names;
   std::vector<torch::Tensor> tensors;
   for (const auto& [name, t] : distinct_named(module_->named_parameters())) {
@@ -77,17 +96,16 @@ void Reducer::check_replicas(const std::string& when) {
     names.push_back(name);
     tensors.push_back(t.detach().cpu().contiguous());
   }
-  uint64_t hash = 0xcbf29ce484222325ull;
-  for (const auto& t : tensors) hash = checksum(hash, t);
+  const uint64_t hash = checksum(tensors);
   const torch::Device device = group_.device();
   // Hashes travel as two halves in float64, which holds 32 bits exactly.
   auto halves = [](uint64_t h) { return std::vector<double>{static_cast<double>(h >> 32), static_cast<double>(h & 0xffffffffu)}; };
   auto rank0_hash = torch::tensor(halves(hash), torch::kFloat64).to(device);
-  stream_->broadcast(rank0_hash, 0, "the replica check");
+  quick_->broadcast(rank0_hash, 0, issuer);
   const auto theirs_hash = rank0_hash.cpu();
   const bool same = theirs_hash[0].item<double>() == halves(hash)[0] && theirs_hash[1].item<double>() == halves(hash)[1];
   auto differing = torch::tensor({same ? 0.0 : 1.0}, torch::kFloat64).to(device);
-  stream_->allreduce_sum(differing, "the replica check");
+  quick_->allreduce_sum(differing, issuer);
   if (differing.cpu().item<double>() == 0) return;
 
   // Rank 0's state on every rank; each rank's largest difference on rank 0.
@@ -95,7 +113,7 @@ void Reducer::check_replicas(const std::string& when) {
   for (const auto& t : tensors) flat_parts.push_back(t.reshape(-1).to(torch::kFloat64));
   const auto mine = torch::cat(flat_parts);
   auto rank0 = mine.to(device, /*non_blocking=*/false, /*copy=*/true);  // overwritten by rank 0's
-  stream_->broadcast(rank0, 0, "the replica check");
+  quick_->broadcast(rank0, 0, issuer);
   const auto theirs = rank0.cpu();
   double largest = 0, where = -1;  // the largest difference, and in which tensor
   for (size_t i = 0, at = 0; i < tensors.size(); at += tensors[i].numel(), ++i) {
@@ -107,8 +125,8 @@ void Reducer::check_replicas(const std::string& when) {
       where = static_cast<double>(i);
     }
   }
-  const auto reports = stream_->gather_to_rank0(torch::tensor({largest, where}, torch::kFloat64), "the replica check");
-  if (stream_->rank() != 0) throw PeerLost("rank 0 found the replicas diverged " + when);
+  const auto reports = quick_->gather_to_rank0(torch::tensor({largest, where}, torch::kFloat64), issuer);
+  if (quick_->rank() != 0) throw PeerLost("rank 0 found the replicas diverged " + when);
   std::string message = "the replicas diverged " + when + ":";
   for (size_t r = 1; r < reports.size(); ++r) {
     const int index = static_cast<int>(reports[r][1].item<double>());
@@ -159,7 +177,11 @@ std::vector<std::pair<std::string, std::string>> Reducer::description() const {
 // parameters, buffers and hook state, so the replicas end identical, as
 // PyTorch's join broadcasts the last rank's model.
 void Reducer::join(const std::function<void()>& loop) {
+  if (group_.world_size() > 1 && GroupAccess::state(group_).check == Check::off)
+    throw UsageError("ddp.join() needs the collective check, which tells a rank whose data ran out what the others "
+                     "issue: leave ProcessGroupOptions().check_collectives on");
   loop();
+  check_bypass();
   const auto streams = streams_of(group_);
   std::vector<int> last(streams.size(), 0);
   std::vector<CollectiveStream::Ticket> tickets;
@@ -175,22 +197,22 @@ void Reducer::join(const std::function<void()>& loop) {
   const std::string issuer = "ddp.join(): the state of rank " + std::to_string(source) + ", which joined last";
   for (const auto& [name, t] : distinct_named(module_->named_parameters())) {
     torch::Tensor value = t.detach();
-    stream_->broadcast(value, source, issuer);
+    quick_->broadcast(value, source, issuer);
   }
-  for (auto& t : buffers_) stream_->broadcast(t, source, issuer);
+  for (auto& t : buffers_) quick_->broadcast(t, source, issuer);
   // The hook's shared state (PowerSGD's step count, P and Q): the last
   // rank's; each rank's own (its error feedback) stays its own.
   hooks::HookState state = hook_->state();
   c10::Dict<std::string, torch::Tensor> shared;
   for (const auto& [key, t] : state.shared) shared.insert(key, t.detach().cpu());
   std::vector<char> bytes = group_.rank() == source ? torch::pickle_save(c10::IValue(shared)) : std::vector<char>();
-  auto size = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64).to(stream_->device());
-  stream_->broadcast(size, source, issuer);
+  auto size = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64).to(quick_->device());
+  quick_->broadcast(size, source, issuer);
   const int64_t n = size.cpu().item<int64_t>();
   if (n == 0) return;
   bytes.resize(static_cast<size_t>(n));
-  auto data = torch::from_blob(bytes.data(), {n}, torch::kUInt8).to(stream_->device(), false, /*copy=*/true);
-  stream_->broadcast(data, source, issuer);
+  auto data = torch::from_blob(bytes.data(), {n}, torch::kUInt8).to(quick_->device(), false, /*copy=*/true);
+  quick_->broadcast(data, source, issuer);
   const auto cpu = data.cpu();
   bytes.assign(static_cast<const char*>(cpu.data_ptr()), static_cast<const char*>(cpu.data_ptr()) + n);
   state.shared.clear();

@@ -125,26 +125,30 @@ void Reducer::init() {
                        ", the process group's device is " + device.str() + ": call model->to(group.device()) first");
     buffers_.push_back(t);
   }
-  model_ = GroupAccess::state(group_).models;
-  stream_ = model_stream(group_);
+  const ProcessGroup given = group_;
+  std::tie(group_, model_) = model_group(given);
+  stream_ = bulk_stream(group_);
+  quick_ = quick_stream(group_);
 
   // Every rank wraps the same model, with the same options: compared before
   // anything of a size another rank does not expect is sent.
-  stream_->run([&](Channel& channel) { channel.agree(description(), "DistributedDataParallel", kSameModel); },
-               "DistributedDataParallel's start");
+  quick_->run([&](Channel& channel) { channel.agree(description(), "DistributedDataParallel", kSameModel); },
+              issuer("DistributedDataParallel's start"));
 
   // Every rank starts from rank 0's state: its parameters (frozen ones too)
   // and buffers.
   std::vector<torch::Tensor> state;
   for (const auto& [name, t] : distinct_named(module_->named_parameters())) state.push_back(t);
   for (const auto& t : buffers_) state.push_back(t);
-  broadcast_from_authority(*stream_, state, "DistributedDataParallel's start: rank 0's parameters and buffers");
+  broadcast_from_authority(*quick_, state, issuer("DistributedDataParallel's start: rank 0's parameters and buffers"));
 
-  // A SyncBatchNorm that names no group takes this model's, and its name in
-  // the model, for what its collectives say of themselves.
+  // A SyncBatchNorm that names no group (or this DDP's) takes this model's
+  // view of it, and its name in the model, for what its collectives say of
+  // themselves.
   for (const auto& item : module_->named_modules())
     if (auto* sync = dynamic_cast<SyncBatchNormImpl*>(item.value().get())) {
-      if (!sync->process_group()) sync->set_process_group(group_);
+      const auto& named = sync->process_group();
+      if (!named || GroupAccess::share(*named) == GroupAccess::share(given)) sync->set_process_group(group_);
       if (SyncBatchNormAccess::name(*sync).empty()) SyncBatchNormAccess::name(*sync) = item.key();
     }
 
@@ -197,12 +201,16 @@ void Reducer::init() {
 }
 
 Reducer::~Reducer() {
-  // The stream's tasks point at this object.
+  // The stream's tasks point at this object, and the hooks' futures at its buckets.
   for (const auto ticket : posted_) {
     try {
       stream_->wait(ticket);
     } catch (...) {
     }
+  }
+  try {
+    take_averages();
+  } catch (...) {
   }
 }
 
@@ -219,20 +227,37 @@ void Reducer::register_comm_hook(hooks::CommHookPtr hook) {
   hook_registered_ = true;
 }
 
+namespace {
+// "second", "third", ..., "11th": which DistributedDataParallel of its group.
+std::string ordinal(int k) {
+  static const char* const words[] = {"first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth"};
+  if (k < 10) return words[k];
+  const int n = k + 1, last = n % 10;
+  return std::to_string(n) + (n % 100 / 10 == 1 ? "th" : last == 1 ? "st" : last == 2 ? "nd" : last == 3 ? "rd" : "th");
+}
+}  // namespace
+
+std::string Reducer::issuer(const std::string& what) const {
+  if (model_ == 0) return what;  // "DistributedDataParallel's buffers before a forward"
+  return "the " + ordinal(model_) + " " + what;  // "the second DistributedDataParallel's buffers ..."
+}
+
 std::string Reducer::bucket_issuer(size_t b) const {
-  return "DDP bucket " + std::to_string(b) + (model_ > 0 ? " of model " + std::to_string(model_) : "") + "'s backward";
+  if (model_ == 0) return "DDP bucket " + std::to_string(b) + "'s backward";
+  return "the " + ordinal(model_) + " DDP's bucket " + std::to_string(b) + "'s backward";
 }
 
 void Reducer::enter_no_sync() { ++no_sync_depth_; }
 void Reducer::leave_no_sync() { --no_sync_depth_; }
 
+// Buffers are broadcast as PyTorch's DDP does: before a forward with
+// gradients that will be averaged; so a forward under NoGradGuard on one
+// rank (evaluating, sampling) issues no collective.
 void Reducer::prepare_forward() {
+  check_bypass();
   const bool grad = torch::GradMode::is_enabled();
-  if (options_.broadcast_buffers() && sync_buffers_next_)
-    broadcast_from_authority(*stream_, buffers_,
-                             "DistributedDataParallel's buffers before a forward" +
-                                 (model_ > 0 ? " of model " + std::to_string(model_) : std::string()));
-  sync_buffers_next_ = grad && no_sync_depth_ == 0;
+  if (grad && no_sync_depth_ == 0 && options_.broadcast_buffers())
+    broadcast_from_authority(*quick_, buffers_, issuer("DistributedDataParallel's buffers before a forward"));
   std::lock_guard<std::mutex> lock(mutex_);
   if (!grad) return;
   if (in_backward_) throw UsageError("DistributedDataParallel: forward called while a backward is still running");
@@ -328,10 +353,10 @@ void Reducer::finalize_backward() {
     std::lock_guard<std::mutex> lock(mutex_);
     in_backward_ = false;
     forwarded_ = false;
-    if (bypassed_)
-      throw UsageError("backward through model->forward: gradients were not averaged; call ddp.forward (a backward "
-                       "reached the parameters of a DistributedDataParallel without a ddp.forward since the last "
-                       "backward)");
+    if (bypassed_) {  // named only if an optimizer steps on these gradients (check_bypass())
+      if (!bypassed_at_) bypassed_at_ = checksum(params_);
+      return;
+    }
     if (!averaging_) return;
     for (size_t p = 0; p < params_.size(); ++p) {
       if (ready_[p]) continue;
@@ -362,6 +387,11 @@ void Reducer::finalize_backward() {
     } catch (...) {
       if (!error) error = std::current_exception();
     }
+  }
+  try {
+    take_averages();
+  } catch (...) {
+    if (!error) error = std::current_exception();
   }
   wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (error) std::rethrow_exception(error);
@@ -394,12 +424,31 @@ void Reducer::communicate(size_t b, Channel& channel) {
                   "every rank must register the same communication hook, with the same options");
     hook_agreed_ = true;
   }
-  hooks::GradBucket& bucket = buckets_[b];
   hooks::GroupWire wire(channel, wire_stats_);
-  FuturePtr result = hook_->run(bucket, wire);
-  result->waitAndThrow();
-  const torch::Tensor averaged = hooks::future_tensor(result);
-  if (!averaged.is_same(bucket.buffer)) bucket.buffer.copy_(averaged);
+  FuturePtr result = hook_->run(buckets_[b], wire);
+  std::lock_guard<std::mutex> lock(averaging_mutex_);
+  in_flight_.emplace_back(b, std::move(result));
+}
+
+void Reducer::take_averages() {
+  std::vector<std::pair<size_t, FuturePtr>> in_flight;
+  {
+    std::lock_guard<std::mutex> lock(averaging_mutex_);
+    in_flight.swap(in_flight_);
+  }
+  std::exception_ptr error;
+  for (const auto& [b, result] : in_flight) {
+    try {
+      result->waitAndThrow();
+      const torch::Tensor averaged = hooks::future_tensor(result);
+      if (!averaged.is_same(buckets_[b].buffer)) buckets_[b].buffer.copy_(averaged);
+    } catch (const Error&) {
+      if (!error) error = std::current_exception();
+    } catch (const std::exception& e) {  // a backend's: in our words first, as the stream says a task's
+      if (!error) error = std::make_exception_ptr(CollectiveFailed(bucket_issuer(b) + ": a collective failed: " + error_line(e)));
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace mnist_ddp

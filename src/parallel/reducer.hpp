@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,6 +47,10 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<int
 // names as PyTorch's DDP's state_dict has them.
 std::vector<std::pair<std::string, torch::Tensor>> distinct_named(
     const torch::OrderedDict<std::string, torch::Tensor>& named);
+
+// FNV-1a over the bytes of `tensors` (64-bit words, then the tail's
+// bytes), each copied to the CPU where it is not there.
+uint64_t checksum(const std::vector<torch::Tensor>& tensors);
 
 // What DistributedDataParallel's construction says when ranks' models differ.
 constexpr const char* kSameModel = "every rank must build the same model, with the same DdpOptions";
@@ -87,14 +92,25 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void mark_ready(size_t param);
   void finalize_backward();
   void post_ready_buckets();  // with mutex_ held
-  void communicate(size_t bucket, Channel& channel);  // a task on the stream
+  // A task on the stream: runs the hook on the bucket and leaves its future
+  // in averaging_ (the task does not wait for it: several buckets are on
+  // the wire at once).
+  void communicate(size_t bucket, Channel& channel);
+  // Waits for every bucket's average and puts it in its bucket.
+  void take_averages();
   std::string bucket_issuer(size_t bucket) const;     // "DDP bucket 0's backward"
+  std::string issuer(const std::string& what) const;  // "DistributedDataParallel's buffers", "the second ..."
+  // A backward through model->forward left gradients no rank averaged: an
+  // error once the parameters have changed since (an optimizer stepped on
+  // them); forgotten where they have not.
+  void check_bypass();
 
   std::shared_ptr<torch::nn::Module> module_;
   ProcessGroup group_;
   DdpOptions options_;
-  std::shared_ptr<CollectiveStream> stream_;
-  int model_ = 0;  // the group's first DDP, or a later one (its buckets take a stream of their own)
+  std::shared_ptr<CollectiveStream> stream_;  // the buckets'
+  std::shared_ptr<CollectiveStream> quick_;   // what computation waits on: buffers, the start, the replica check
+  int model_ = 0;  // the group's first DDP, or a later one (model_group(): streams of its own)
   hooks::CommHookPtr hook_;
   bool hook_registered_ = false;
   bool hook_agreed_ = false;  // compared across ranks, at the first averaging backward (on the stream's thread)
@@ -112,7 +128,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // Between forwards, on the training thread.
   int no_sync_depth_ = 0;
-  bool sync_buffers_next_ = true;  // PyTorch's require_forward_param_sync
+  // After a backward through model->forward: a checksum of the parameters
+  // then (check_bypass()).
+  std::optional<uint64_t> bypassed_at_;
 
   // A backward's state, guarded by mutex_ (autograd may run hooks on
   // threads of its own).
@@ -127,6 +145,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<bool> ready_;          // param -> ready in this backward
   size_t next_bucket_ = 0;           // buckets [0, next_bucket_) are posted
   std::vector<CollectiveStream::Ticket> posted_;
+  std::mutex averaging_mutex_;
+  std::vector<std::pair<size_t, FuturePtr>> in_flight_;  // bucket -> its hook's future, under averaging_mutex_
   // Since the last averaging (no_sync's micro-batches included).
   std::vector<bool> used_;           // param -> received a gradient
   std::vector<bool> was_undefined_;  // param -> its .grad was undefined before

@@ -64,6 +64,13 @@ struct ProcessGroupOptions {
   // compared with rank 0's while joining; a difference is one error naming
   // the setting and both values.
   TORCH_ARG(Settings, settings) = {};
+  // Check every collective against every rank's before it is issued (under
+  // NCCL: beside it), so that ranks issuing different ones end in one line
+  // naming each (docs/library.md, "What is checked"). Off: collectives go
+  // out as issued, a mismatch hangs until the timeout or aborts in the
+  // backend, and ddp.join() is refused; it is there to measure what the
+  // check costs.
+  TORCH_ARG(bool, check_collectives) = true;
 };
 
 class ProcessGroup {
@@ -84,11 +91,12 @@ class ProcessGroup {
   // "mpirun", "mpiexec", "kubeflow", or "" for none (a world of 1).
   const std::string& launcher() const;
 
-  // Blocking collectives for the program's own use, on the group's bulk
-  // stream, in order with DDP's buckets and checks. Every rank must call
-  // them in the same order with tensors of the same shape and dtype, on
-  // device(). A mismatch with another rank's collective is a
-  // CollectiveMismatch naming both (docs/library.md).
+  // Blocking collectives for the program's own use, on the stream of the
+  // collectives computation waits on (SyncBatchNorm's, DDP's buffers),
+  // in order with them. Every rank must call them in the same order with
+  // tensors of the same shape and dtype, on device(). A mismatch with
+  // another rank's collective is a CollectiveMismatch naming both
+  // (docs/library.md).
   void allreduce_sum(at::Tensor& tensor) const;
   void broadcast(at::Tensor& tensor, int root = 0) const;
   // Every rank's `tensor`, stacked: [world_size, tensor's shape...].
