@@ -29,11 +29,20 @@
 //                                      process set-up (LibTorch's defaults),
 //                                      --cuda runs on the first GPU.
 //                                      Prints "images/s ms/step forward backward optimizer".
+//   mnist_ddp_bench store WORLD [SECONDS]  the collective check's load on the
+//                                      store: WORLD ranks as threads of one
+//                                      process (shared memory), every store
+//                                      request counted; prints the requests
+//                                      a second while they train (a small
+//                                      sum every 10 ms) and while all but
+//                                      rank 0 wait for it in a collective
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -284,6 +293,74 @@ int compute_limit(int steps, const std::string& how) {
   return 0;
 }
 
+// A store that counts what it is asked.
+struct CountingStore : c10d::HashStore {
+  std::atomic<int64_t> requests{0};
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    ++requests;
+    HashStore::set(key, value);
+  }
+  std::vector<uint8_t> get(const std::string& key) override {
+    ++requests;
+    return HashStore::get(key);
+  }
+  int64_t add(const std::string& key, int64_t value) override {
+    ++requests;
+    return HashStore::add(key, value);
+  }
+  bool check(const std::vector<std::string>& keys) override {
+    ++requests;
+    return HashStore::check(keys);
+  }
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override {
+    ++requests;
+    return HashStore::compareSet(key, expected, desired);
+  }
+};
+
+int store_load(int world, int seconds) {
+  auto store = c10::make_intrusive<CountingStore>();
+  using Clock = std::chrono::steady_clock;
+  std::atomic<int64_t> at_start{0}, at_training{0}, at_waiting{0};
+  Clock::time_point started, trained, waited;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < world; ++r)
+    ranks.emplace_back([&, r] {
+      at::set_num_threads(1);
+      ProcessGroup group = make_process_group(store, r, world, "gloo", torch::kCPU, std::chrono::seconds(300), true);
+      auto stream = quick_stream(group);
+      auto t = torch::zeros({65}, torch::kFloat64);
+      stream->barrier();
+      if (r == 0) {
+        started = Clock::now();
+        at_start = store->requests.load();
+      }
+      stream->broadcast(t, 0);
+      const auto until = Clock::now() + std::chrono::seconds(seconds);
+      for (;;) {  // until any rank's time is up: every rank reads the same vote
+        stream->allreduce_sum(t, "a training step's sum");
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        auto more = torch::tensor({Clock::now() < until ? 1.0 : 0.0}, torch::kFloat64);
+        stream->allreduce_sum(more, "whether to go on");
+        if (more.item<double>() < world) break;
+      }
+      if (r == 0) {
+        trained = Clock::now();
+        at_training = store->requests.load();
+        std::this_thread::sleep_for(std::chrono::seconds(seconds));  // the others wait in the barrier
+        waited = Clock::now();
+        at_waiting = store->requests.load();
+      }
+      stream->barrier("rank 0's long pause");
+    });
+  for (auto& t : ranks) t.join();
+  auto per_second = [](int64_t n, Clock::duration d) { return n / std::chrono::duration<double>(d).count(); };
+  std::printf("world %d training %.1f waiting %.1f\n", world, per_second(at_training - at_start, trained - started),
+              per_second(at_waiting - at_training, waited - trained));
+  return 0;
+}
+
 }  // namespace
 }  // namespace mnist_ddp
 
@@ -296,7 +373,8 @@ int main(int argc, char** argv) {
   if (what == "library") return mnist_ddp::library(argc > 2 ? std::stoi(argv[2]) : 100);
   if (what == "compute-limit")
     return mnist_ddp::compute_limit(argc > 2 ? std::stoi(argv[2]) : 100, argc > 3 ? argv[3] : "");
+  if (what == "store" && argc > 2) return mnist_ddp::store_load(std::stoi(argv[2]), argc > 3 ? std::stoi(argv[3]) : 10);
   std::cerr << "usage: mnist_ddp_bench sync-bn [STEPS] | breakdown [STEPS] | allreduce NUMEL ROUNDS | "
-               "library [STEPS] | compute-limit [STEPS] [--plain | --cuda]\n";
+               "library [STEPS] | compute-limit [STEPS] [--plain | --cuda] | store WORLD [SECONDS]\n";
   return 2;
 }
