@@ -28,11 +28,11 @@ class TopKHook : public mnist_ddp::hooks::CommHook {
 
   std::string name() const override { return "topk"; }
 
-  mnist_ddp::FuturePtr run(mnist_ddp::hooks::GradBucket& bucket, mnist_ddp::hooks::Wire& wire) override {
+  mnist_ddp::FuturePtr run(const mnist_ddp::hooks::GradBucket& bucket, mnist_ddp::hooks::Wire& wire) override {
     torch::NoGradGuard no_grad;
-    torch::Tensor& error = errors_[bucket.index];
-    if (!error.defined()) error = torch::zeros_like(bucket.buffer);
-    error.add_(bucket.buffer);  // what this rank would send without compression: its gradient and its error
+    torch::Tensor& error = errors_[bucket.index()];
+    if (!error.defined()) error = torch::zeros_like(bucket.buffer());
+    error.add_(bucket.buffer());  // what this rank would send without compression: its gradient and its error
     const int64_t n = error.numel();
     const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(fraction_ * static_cast<double>(n))));
     const torch::Tensor indices = std::get<1>(error.abs().topk(k));
@@ -40,11 +40,11 @@ class TopKHook : public mnist_ddp::hooks::CommHook {
     error.index_fill_(0, indices, 0);  // what is sent leaves the error; the rest waits for the next step
     const torch::Tensor all_values = mnist_ddp::hooks::future_tensor(wire.allgather(values));     // [world, k]
     const torch::Tensor all_indices = mnist_ddp::hooks::future_tensor(wire.allgather(indices));   // [world, k]
-    bucket.buffer.zero_();
+    bucket.buffer().zero_();
     for (int r = 0; r < wire.world_size(); ++r)  // one rank's indices are distinct: each index_add_ adds once
-      bucket.buffer.index_add_(0, all_indices[r], all_values[r]);
-    bucket.buffer.div_(wire.world_size());
-    return mnist_ddp::completed_future(bucket.buffer);
+      bucket.buffer().index_add_(0, all_indices[r], all_values[r]);
+    bucket.buffer().div_(wire.world_size());
+    return mnist_ddp::completed_future(bucket.buffer());
   }
 
   // The errors are this rank's own: a checkpoint keeps each rank's.

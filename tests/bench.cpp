@@ -111,7 +111,7 @@ bool run_processes(int world, const std::function<void(ProcessGroup&)>& fn, bool
 class LocalHook : public hooks::CommHook {
  public:
   std::string name() const override { return "local"; }
-  FuturePtr run(hooks::GradBucket& bucket, hooks::Wire&) override { return completed_future(bucket.buffer); }
+  FuturePtr run(const hooks::GradBucket& bucket, hooks::Wire&) override { return completed_future(bucket.buffer()); }
 };
 
 // Milliseconds per training step of Net under DDP, batch 32. With `trace`,

@@ -17,17 +17,15 @@ using namespace hooks;
 GradBucket make_bucket(const std::vector<std::vector<int64_t>>& shapes, size_t index = 0, bool is_last = true) {
   int64_t total = 0;
   for (const auto& s : shapes) total += c10::multiply_integers(s);
-  GradBucket b;
-  b.index = index;
-  b.is_last = is_last;
-  b.buffer = torch::zeros({total});
+  const torch::Tensor buffer = torch::zeros({total});
+  std::vector<torch::Tensor> gradients;
   int64_t at = 0;
   for (const auto& s : shapes) {
     const int64_t n = c10::multiply_integers(s);
-    b.gradients.push_back(b.buffer.slice(0, at, at + n).view(s));
+    gradients.push_back(buffer.slice(0, at, at + n).view(s));
     at += n;
   }
-  return b;
+  return GradBucket(index, is_last, buffer, gradients, {}, {});
 }
 
 // A wire for hooks called on the test's own thread: each collective is a
@@ -96,12 +94,12 @@ TEST(Fp16, EqualsAllreduceWithinFloat16Tolerance) {
       StreamWire wire(group);
       auto hook = make_comm_hook(name, {});
       auto bucket = make_bucket({{1000}});
-      bucket.buffer.copy_(inputs[group.rank()]);
+      bucket.buffer().copy_(inputs[group.rank()]);
       const auto out = run_hook(*hook, bucket, wire);
       EXPECT_LE(max_abs_diff(out, mean), tolerance) << name;
       EXPECT_GT(max_abs_diff(out, mean), 0) << name << " sent float32";
       EXPECT_EQ(wire.bytes_sent(), 2000) << name;
-      EXPECT_TRUE(out.is_same(bucket.buffer) || torch::equal(out, bucket.buffer)) << name;
+      EXPECT_TRUE(out.is_same(bucket.buffer()) || torch::equal(out, bucket.buffer())) << name;
     });
   }
 }
@@ -140,7 +138,7 @@ TEST(Fp16, GradientsNearFloat16MaxDoNotOverflow) {
       StreamWire wire(group);
       auto hook = make_comm_hook(name, {});
       auto bucket = make_bucket({{4}});
-      bucket.buffer.fill_(value);
+      bucket.buffer().fill_(value);
       const auto out = run_hook(*hook, bucket, wire);
       EXPECT_TRUE(torch::isfinite(out).all().item<bool>()) << name;
       EXPECT_LE(max_abs_diff(out, torch::full({4}, value)) / value, 1e-2) << name;
@@ -160,8 +158,8 @@ TEST(PowerSgd, BeforeTheStartIterationIsBitIdenticalToNone) {
       for (int step = 0; step < 5; ++step) {
         EXPECT_FALSE(name == "powersgd" && hook->compression_started());
         auto a = make_bucket({{64, 30}, {64}}), b = make_bucket({{64, 30}, {64}});
-        a.buffer.copy_(inputs[group.rank()] * (step + 1));
-        b.buffer.copy_(inputs[group.rank()] * (step + 1));
+        a.buffer().copy_(inputs[group.rank()] * (step + 1));
+        b.buffer().copy_(inputs[group.rank()] * (step + 1));
         const auto expected = run_hook(none, a, wire);
         const auto got = run_hook(*hook, b, wire);
         if (name == "powersgd") {
@@ -188,11 +186,11 @@ TEST(PowerSgd, ReconstructsTheAveragedMatrixExactlyWhenItsRankIsAtMostR) {
     StreamWire wire(group);
     PowerSgdHook hook(powersgd(2, 0, /*error_feedback=*/false, /*warm_start=*/false));
     auto bucket = make_bucket({{40, 25}, {40}});
-    bucket.gradients[0].copy_(inputs[group.rank()]);
-    bucket.gradients[1].copy_(bias[group.rank()]);
+    bucket.gradients()[0].copy_(inputs[group.rank()]);
+    bucket.gradients()[1].copy_(bias[group.rank()]);
     run_hook(hook, bucket, wire);
-    EXPECT_LE(max_abs_diff(bucket.gradients[0], mean), 1e-4);
-    EXPECT_LE(max_abs_diff(bucket.gradients[1], mean_bias), 1e-6);  // uncompressed: exact mean
+    EXPECT_LE(max_abs_diff(bucket.gradients()[0], mean), 1e-4);
+    EXPECT_LE(max_abs_diff(bucket.gradients()[1], mean_bias), 1e-6);  // uncompressed: exact mean
     // 40x25 at rank 2 sends P 80 + Q 50, the bias 40: 170 float32 elements.
     EXPECT_EQ(wire.elements_sent(), 170);
   });
@@ -215,9 +213,9 @@ TEST(PowerSgd, WarmStartApproachesTheBestRankRApproximation) {
     double error = 0;
     for (int step = 0; step < 22; ++step) {  // 2 plain steps, then 20 compressed
       auto bucket = make_bucket({{60, 50}});
-      bucket.buffer.copy_(m.reshape(-1));
+      bucket.buffer().copy_(m.reshape(-1));
       run_hook(hook, bucket, wire);
-      error = (bucket.gradients[0] - m).norm().item<double>();
+      error = (bucket.gradients()[0] - m).norm().item<double>();
     }
     EXPECT_LE(error, 1.01 * best) << "rank-2 error " << error << " vs the SVD's " << best;
   });
@@ -239,7 +237,7 @@ TEST(PowerSgd, ErrorFeedbackLosesNothingOverSteps) {
     torch::Tensor sum = torch::zeros({30 * 20 + 30}, torch::kFloat64);
     for (int s = 0; s < steps; ++s) {
       auto bucket = make_bucket({{30, 20}, {30}});
-      bucket.buffer.copy_(grads[s][group.rank()]);
+      bucket.buffer().copy_(grads[s][group.rank()]);
       sum += run_hook(hook, bucket, wire).to(torch::kFloat64);
     }
     applied[group.rank()] = sum;
@@ -268,7 +266,7 @@ TEST(BatchedPowerSgd, EqualsTheRankRApproximationOfThePaddedMeanMatrix) {
       StreamWire wire(group);
       BatchedPowerSgdHook hook(powersgd(rank, 0, false, false));
       auto bucket = make_bucket({{70}});
-      bucket.buffer.copy_(inputs[group.rank()].reshape(-1).slice(0, 0, 70));
+      bucket.buffer().copy_(inputs[group.rank()].reshape(-1).slice(0, 0, 70));
       const auto out = run_hook(hook, bucket, wire);
       EXPECT_LE(max_abs_diff(out, padded_mean.slice(0, 0, 70)), 1e-5) << "rank " << rank;
       EXPECT_EQ(wire.elements_sent(), 2 * 9 * rank);  // P and Q, 9 x r each
@@ -286,7 +284,7 @@ TEST(PowerSgd, SaveAndRestoreResumeBitIdentically) {
       StreamWire wire(group);
       auto step = [&](CommHook& hook, int s) {
         auto bucket = make_bucket({{20, 16}, {20}});
-        bucket.buffer.copy_(grads[s][group.rank()]);
+        bucket.buffer().copy_(grads[s][group.rank()]);
         return run_hook(hook, bucket, wire).clone();
       };
       auto straight = make_comm_hook(name, powersgd(2, 2));

@@ -113,7 +113,7 @@ TEST(Library, SeveralInputsAndOutputsTiedFrozenAndTwiceCalledParametersMatchTheO
   run_ranks(kWorld, [&](ProcessGroup& group) {
     auto model = models[group.rank()];
     DistributedDataParallel ddp(model, group, DdpOptions().bucket_cap_mb(1e-6));  // a bucket a parameter
-    EXPECT_EQ(DdpAccess::reducer(ddp).buckets().size(), 6u) << "a, b and head, two each: the tied one once, the frozen one never";
+    EXPECT_EQ(reducer_of(ddp).buckets().size(), 6u) << "a, b and head, two each: the tied one once, the frozen one never";
     torch::optim::SGD opt(model->parameters(), 0.1);
     for (int step = 0; step < 2; ++step) {
       opt.zero_grad();
@@ -190,8 +190,9 @@ TEST(Library, WithoutFindUnusedParametersAnUnusedOneIsNamedAndNoRankHangs) {
   std::vector<std::string> errors(kWorld);
   run_ranks(kWorld, [&](ProcessGroup& group) {
     DistributedDataParallel ddp(models[group.rank()], group);
-    try {  // rank 1 leaves `extra` out; rank 0 must still finish its step
+    try {  // rank 1 leaves `extra` out, and learns it at its next forward; rank 0 must still finish its step
       ddp.forward(torch::ones({3, 4}), group.rank() == 0).sum().backward();
+      ddp.forward(torch::ones({3, 4}), true);
       errors[group.rank()] = "(none)";
     } catch (const std::exception& e) {
       errors[group.rank()] = e.what();
@@ -286,10 +287,10 @@ TEST(Library, ParametersOfTwoDtypesGoInBucketsOfTheirOwn) {
       model->zero_grad();
       DistributedDataParallel ddp(model, group);
       if (hook == "fp16") ddp.register_comm_hook(hooks::fp16_compress());
-      const auto& buckets = DdpAccess::reducer(ddp).buckets();
+      const auto& buckets = reducer_of(ddp).buckets();
       ASSERT_EQ(buckets.size(), 2u);
-      EXPECT_EQ(buckets[0].buffer.scalar_type(), torch::kFloat64);
-      EXPECT_EQ(buckets[1].buffer.scalar_type(), torch::kFloat32);
+      EXPECT_EQ(buckets[0].buffer().scalar_type(), torch::kFloat64);
+      EXPECT_EQ(buckets[1].buffer().scalar_type(), torch::kFloat32);
       ddp.forward(shard(x, group.rank())).pow(2).mean().backward();
       got[group.rank()] = snapshot(*model);
     });
@@ -490,9 +491,9 @@ TEST(Library, ANormLayerTheConversionCannotReachIsRefusedNamingItAndNothingChang
 class CountingHook : public hooks::CommHook {
  public:
   std::string name() const override { return "counting"; }
-  FuturePtr run(hooks::GradBucket& bucket, hooks::Wire& wire) override {
+  FuturePtr run(const hooks::GradBucket& bucket, hooks::Wire& wire) override {
     ++buckets;
-    return wire.allreduce_mean(bucket.buffer);
+    return wire.allreduce_mean(bucket.buffer());
   }
   int buckets = 0;
 };
@@ -543,11 +544,11 @@ TEST(Library, ATopKHookOverAllgatherMatchesItsExactMathOnThreeRanks) {
     }
     DistributedDataParallel ddp(model, group);
     ddp.register_comm_hook(std::make_shared<TopKHook>(0.25));
-    const auto& bucket = DdpAccess::reducer(ddp).buckets().at(0);
-    ASSERT_EQ(bucket.parameters.size(), 2u);
+    const auto& bucket = reducer_of(ddp).buckets().at(0);
+    ASSERT_EQ(bucket.parameters().size(), 2u);
     for (size_t i = 0; i < 2; ++i)
-      EXPECT_TRUE(bucket.parameters[i].is_same(bucket.parameter_names[i] == "weight" ? model->weight : model->bias))
-          << bucket.parameter_names[i];
+      EXPECT_TRUE(bucket.parameters()[i].is_same(bucket.parameter_names()[i] == "weight" ? model->weight : model->bias))
+          << bucket.parameter_names()[i];
     torch::optim::SGD sgd(model->parameters(), lr);
     for (int step = 0; step < kSteps; ++step) {
       sgd.zero_grad();
@@ -555,7 +556,7 @@ TEST(Library, ATopKHookOverAllgatherMatchesItsExactMathOnThreeRanks) {
       sgd.step();
     }
     std::lock_guard<std::mutex> lock(mutex);
-    if (group.rank() == 0) layout = bucket.parameter_names;
+    if (group.rank() == 0) layout = bucket.parameter_names();
     for (const auto& p : model->parameters()) got[group.rank()].push_back(p.detach().clone());
   });
   ASSERT_EQ(layout.size(), 2u);

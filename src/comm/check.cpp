@@ -15,7 +15,7 @@ namespace {
 // bitmap of the active ranks]. Every field is summed over the ranks that
 // are active (not joined), and every value stays an integer far below 2^53,
 // so the sums are exact.
-enum Field : int64_t { kActive, kOp, kDtype, kNumel, kRoot, kInlined, kPrint, kSquare = kPrint + 3, kFields = kSquare + 3 };
+enum Field : int64_t { kActive, kOp, kDtype, kNumel, kRoot, kInlined, kStop, kPrint, kSquare = kPrint + 3, kFields = kSquare + 3 };
 constexpr int kPieces = 3;        // a description's fingerprint: 3 pieces of 16 bits
 constexpr int kBitsPerWord = 48;  // active ranks, 48 to a float64
 constexpr size_t kMaxPending = 64;  // Check::alongside: checks in flight before the lane waits for the oldest
@@ -57,7 +57,8 @@ namespace {
 // which it is unless ranks have joined.
 std::string describe(const std::string& issuer, Op op, const torch::Tensor& tensor, int root) {
   std::string d = issuer + " (" + op_name(op);
-  if (tensor.defined()) d += ", " + std::to_string(tensor.numel()) + " " + dtype_name(tensor.scalar_type());
+  if (tensor.defined())
+    d += ", " + std::to_string(tensor.numel()) + (tensor.is_sparse() ? " sparse " : " ") + dtype_name(tensor.scalar_type());
   if (op == Op::broadcast) d += ", from rank " + std::to_string(root == kAuthority ? 0 : root);
   return d + ")";
 }
@@ -114,15 +115,27 @@ void Channel::exchange_check(torch::Tensor& sums) {
 
 Channel::Outcome Channel::verify(const torch::Tensor& sums, const Described* mine, uint64_t position) {
   const double* s = sums.data_ptr<double>() + inline_;
-  if (!all_agree(s, mine ? mine->pieces : nullptr)) mismatch(position, mine ? mine->what : kJoinedWords);
-  Outcome out;
   const auto n = s[kActive];
+  auto active = [&](int r) { return ((static_cast<uint64_t>(s[kFields + r / kBitsPerWord]) >> (r % kBitsPerWord)) & 1u) != 0; };
+  if (s[kStop] > 0) {  // a rank ran out of data under join()'s throw_on_early_termination
+    std::vector<int> joined;
+    for (int r = 0; r < world_size(); ++r)
+      if (!active(r)) joined.push_back(r);
+    std::string who;
+    for (int r : joined) who += (who.empty() ? "" : ", ") + std::to_string(r);
+    const Error error("ddp.join(): rank" + std::string(joined.size() > 1 ? "s " : " ") + who +
+                      " ran out of inputs, and throw_on_early_termination stops every rank there");
+    if (watch_) watch_->mismatched(std::make_exception_ptr(error));  // every lane of this rank stops with it
+    throw error;
+  }
+  if (n > 0 && !all_agree(s, mine ? mine->pieces : nullptr)) mismatch(position, mine ? mine->what : kJoinedWords);
+  active_ = static_cast<int>(n);
+  Outcome out;
   const int root = static_cast<int>(std::lround(s[kRoot] / n));
   out.root = root;
   out.served = s[kInlined] > 0;
   if (root != kAuthority) return out;
   // The authority: rank 0 while it is active, else the highest active rank.
-  auto active = [&](int r) { return ((static_cast<uint64_t>(s[kFields + r / kBitsPerWord]) >> (r % kBitsPerWord)) & 1u) != 0; };
   out.root = 0;
   if (!active(0))
     for (int r = world_size() - 1; r > 0 && out.root == 0; --r)
@@ -223,7 +236,7 @@ void Channel::settle() {
   while (!pending_.empty()) settle_oldest(true);
 }
 
-int Channel::serve_until_all_joined() {
+int Channel::serve_until_all_joined(bool stop_everyone) {
   if (world_size() == 1) return 0;
   TORCH_CHECK(check_ != Check::off, "serve_until_all_joined: the check is off");  // join() refuses that first
   settle();
@@ -241,6 +254,7 @@ int Channel::serve_until_all_joined() {
       lane_->waiting = lane_->checking = true;
     }
     torch::Tensor sums = check_tensor(nullptr);
+    if (stop_everyone) sums[inline_ + kStop] = 1.0;
     exchange_check(sums);
     {
       std::lock_guard<std::mutex> lock(lane_->mutex);

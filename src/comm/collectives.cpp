@@ -25,12 +25,13 @@ Channel::Channel(GroupPtr group, torch::Device device, const Backend& backend, C
       check_group_(check_group ? std::move(check_group) : group_),
       watch_(std::move(watch)),
       lane_(watch_ ? watch_->lane(lane) : std::make_shared<LaneState>(lane)),
-      inline_(check == Check::before ? kInline : 0) {}
+      inline_(check == Check::before ? kInline : 0),
+      active_(group_->getSize()) {}
 
 Channel::~Channel() = default;
 
 FuturePtr Channel::allreduce_sum(torch::Tensor tensor) {
-  const bool small_float = tensor.numel() <= inline_ && tensor.is_cpu() &&
+  const bool small_float = tensor.numel() <= inline_ && tensor.is_cpu() && !tensor.is_sparse() &&
                            (tensor.scalar_type() == torch::kFloat || tensor.scalar_type() == torch::kDouble);
   if (small_float && world_size() > 1) {
     issue("allreduce", tensor);
@@ -88,7 +89,7 @@ void Channel::finish(const port::WorkPtr& work) {
 
 FuturePtr Channel::sum_unchecked(torch::Tensor tensor) {
   issue("allreduce", tensor);
-  if (shared_ && tensor.is_cpu()) {
+  if (shared_ && tensor.is_cpu() && !tensor.is_sparse()) {
     torch::Tensor dense = tensor.contiguous();
     shared_->allreduce_sum(dense);
     if (!dense.is_same(tensor)) tensor.copy_(dense);
@@ -96,7 +97,8 @@ FuturePtr Channel::sum_unchecked(torch::Tensor tensor) {
   }
   const bool half = tensor.scalar_type() == torch::kHalf, bfloat = tensor.scalar_type() == torch::kBFloat16;
   constexpr int64_t kRingFrom = 1 << 16;  // float16 elements
-  if (backend_.slow_16bit_sums && world_size() > 1 && ((half && tensor.numel() >= kRingFrom) || bfloat)) {
+  if (backend_.slow_16bit_sums && world_size() > 1 && !tensor.is_sparse() &&
+      ((half && tensor.numel() >= kRingFrom) || bfloat)) {
     if (tensor.is_cpu()) {
       ring_allreduce_sum(tensor);
     } else {  // ranks sharing a GPU over Gloo

@@ -188,7 +188,12 @@ class Channel {
   // with zeros, until every rank has joined. Returns the rank that joined
   // last (the one whose lane passed the most collectives before joining).
   // Needs the check: it is how a joined rank learns what to serve.
-  int serve_until_all_joined();
+  // `stop_everyone` (join's throw_on_early_termination): every rank throws
+  // an Error naming the ranks that joined, at the first collective served.
+  int serve_until_all_joined(bool stop_everyone = false);
+  // Ranks that had data at this lane's last check (ddp.join()): the world
+  // size unless some have joined.
+  int active_ranks() const { return active_; }
   // Verifies every check still pending (Check::alongside); throws what a
   // failed one found. A no-op otherwise.
   void settle();
@@ -257,6 +262,7 @@ class Channel {
   std::string issuer_ = "a task on the stream";
   int tag_ = 0;  // point-to-point tags, the same sequence on every rank
   const int64_t inline_;  // elements of a sum the check can carry: kInline, or 0 where it never does
+  int active_;            // see active_ranks()
   std::deque<std::unique_ptr<Pending>> pending_;  // Check::alongside: issued, not yet verified
 };
 

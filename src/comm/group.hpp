@@ -50,8 +50,8 @@ struct ProcessGroup::State {
 struct GroupAccess {
   using State = ProcessGroup::State;
   static ProcessGroup make(std::shared_ptr<State> state) { return ProcessGroup(std::move(state)); }
-  static State& state(const ProcessGroup& group) { return *group.state_; }
-  static std::shared_ptr<State> share(const ProcessGroup& group) { return group.state_; }
+  static State& state(const ProcessGroup& group) { return *group.state(); }
+  static std::shared_ptr<State> share(const ProcessGroup& group) { return group.state(); }
 };
 using GroupState = GroupAccess::State;
 

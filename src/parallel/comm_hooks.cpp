@@ -50,7 +50,7 @@ torch::Tensor& carried_error(PowerSgdState& state, size_t bucket, const torch::T
 std::vector<torch::Tensor> same_layout(const GradBucket& bucket, const torch::Tensor& flat) {
   std::vector<torch::Tensor> views;
   int64_t at = 0;
-  for (const auto& g : bucket.gradients) {
+  for (const auto& g : bucket.gradients()) {
     views.push_back(flat.slice(0, at, at + g.numel()).view(g.sizes()));
     at += g.numel();
   }
@@ -126,7 +126,7 @@ FuturePtr CastWire::broadcast(torch::Tensor tensor, int root) {
   return completed_future(tensor);
 }
 
-FuturePtr AllreduceHook::run(GradBucket& bucket, Wire& wire) { return wire.allreduce_mean(bucket.buffer); }
+FuturePtr AllreduceHook::run(const GradBucket& bucket, Wire& wire) { return wire.allreduce_mean(bucket.buffer()); }
 
 CompressWrapper::CompressWrapper(CommHookPtr inner, c10::ScalarType type) : inner_(std::move(inner)), type_(type) {
   MNIST_DDP_REQUIRE(inner_, "a compression wrapper needs a hook to wrap");
@@ -142,7 +142,7 @@ std::string CompressWrapper::describe() const {
   return (type_ == torch::kHalf ? "float16" : "bfloat16") + std::string(" on the wire, over ") + inner_->describe();
 }
 
-FuturePtr CompressWrapper::run(GradBucket& bucket, Wire& wire) {
+FuturePtr CompressWrapper::run(const GradBucket& bucket, Wire& wire) {
   CastWire low(wire, type_);
   FuturePtr result = inner_->run(bucket, low);
   result->waitAndThrow();  // `low` lives in this frame
@@ -198,15 +198,15 @@ torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archi
 // averaged gradients. M is built in the error's own buffer (error += g, and
 // later error -= result), which saves PyTorch's copy of the bucket.
 
-FuturePtr PowerSgdBase::run(GradBucket& bucket, Wire& wire) {
+FuturePtr PowerSgdBase::run(const GradBucket& bucket, Wire& wire) {
   FuturePtr result;
   if (compression_started()) {
     compress(bucket, wire);
-    result = completed_future(bucket.buffer);
+    result = completed_future(bucket.buffer());
   } else {
-    result = wire.allreduce_mean(bucket.buffer);
+    result = wire.allreduce_mean(bucket.buffer());
   }
-  if (bucket.is_last) ++state_.iter;
+  if (bucket.is_last()) ++state_.iter;
   return result;
 }
 
@@ -339,14 +339,14 @@ bool end_step(PowerSgdState& st, bool warm_start, size_t b, const std::vector<to
 
 }  // namespace
 
-void PowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
+void PowerSgdHook::compress(const GradBucket& bucket, Wire& wire) {
   PowerSgdState& st = state_;
   const std::function<uint64_t()> seed = [this] { return next_seed(); };
   const PowerSgdOptions& opt = options_;
-  torch::Tensor& input = bucket.buffer;
-  const size_t b = bucket.index;
+  const torch::Tensor& input = bucket.buffer();
+  const size_t b = bucket.index();
   torch::Tensor error;
-  std::vector<torch::Tensor> sources = bucket.gradients;  // what to compress: the views of M
+  std::vector<torch::Tensor> sources = bucket.gradients();  // what to compress: the views of M
   if (opt.use_error_feedback()) {
     error = carried_error(st, b, input);
     error.add_(input);
@@ -358,7 +358,7 @@ void PowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
   std::vector<int64_t> ranks;
   int64_t p_size = 0, q_size = 0;
   for (size_t i = 0; i < sources.size(); ++i) {
-    const auto& g = bucket.gradients[i];
+    const auto& g = bucket.gradients()[i];
     const int64_t n = g.dim() ? g.size(0) : 1;
     const int64_t m = g.numel() / n;
     const int64_t r = std::min<int64_t>({n, m, opt.matrix_approximation_rank()});
@@ -403,12 +403,12 @@ void PowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
   elements_after_ += p_size + q_size + (flat.defined() ? flat.numel() : 0);
 }
 
-void BatchedPowerSgdHook::compress(GradBucket& bucket, Wire& wire) {
+void BatchedPowerSgdHook::compress(const GradBucket& bucket, Wire& wire) {
   PowerSgdState& st = state_;
   const std::function<uint64_t()> seed = [this] { return next_seed(); };
   const PowerSgdOptions& opt = options_;
-  torch::Tensor& input = bucket.buffer;
-  const size_t b = bucket.index;
+  const torch::Tensor& input = bucket.buffer();
+  const size_t b = bucket.index();
   const int64_t total = input.numel();
   auto side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(total))));
   while (side * side < total) ++side;

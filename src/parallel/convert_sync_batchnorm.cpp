@@ -105,7 +105,7 @@ void convert_sync_batchnorm(torch::nn::Module& module, const std::optional<Proce
   for (auto& [raw, f] : found) {
     auto sync = sync_of(f.layer);
     if (group) sync->set_process_group(*group);
-    SyncBatchNormAccess::name(*sync) = f.path;
+    sync->set_layer_name(f.path);
     for (auto& [parent, name] : f.parents) {
       parent->replace_module(name, sync);
       if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(parent))

@@ -88,11 +88,11 @@ void Reducer::check_replicas(const std::string& when) {
   const std::string issuer = this->issuer("the replica check");
   std::vector<std::string> names;
   std::vector<torch::Tensor> tensors;
-  for (const auto& [name, t] : distinct_named(module_->named_parameters())) {
+  for (const auto& [name, t] : synced(module_->named_parameters())) {
     names.push_back(name);
     tensors.push_back(t.detach().cpu().contiguous());
   }
-  for (const auto& [name, t] : distinct_named(module_->named_buffers())) {
+  for (const auto& [name, t] : synced(module_->named_buffers())) {
     names.push_back(name);
     tensors.push_back(t.detach().cpu().contiguous());
   }
@@ -149,9 +149,9 @@ std::vector<std::pair<std::string, std::string>> Reducer::description() const {
     s << t.sizes() << " " << dtype_name(t.scalar_type());
     return s.str();
   };
-  for (const auto& [name, t] : distinct_named(module_->named_parameters()))
+  for (const auto& [name, t] : synced(module_->named_parameters()))
     items.emplace_back(name.substr(7), shape(t) + (t.requires_grad() ? "" : ", frozen"));
-  for (const auto& [name, t] : distinct_named(module_->named_buffers())) items.emplace_back(name.substr(7), shape(t));
+  for (const auto& [name, t] : synced(module_->named_buffers())) items.emplace_back(name.substr(7), shape(t));
   for (const auto& item : module_->named_modules()) {
     const torch::nn::Module& m = *item.value();
     const char* kind = dynamic_cast<const SyncBatchNormImpl*>(&m)                ? "a SyncBatchNorm"
@@ -164,7 +164,8 @@ std::vector<std::pair<std::string, std::string>> Reducer::description() const {
   std::ostringstream o;
   o << "bucket_cap_mb " << options_.bucket_cap_mb() << ", first_bucket_cap_mb " << options_.first_bucket_cap_mb()
     << ", find_unused_parameters " << options_.find_unused_parameters() << ", broadcast_buffers "
-    << options_.broadcast_buffers();
+    << options_.broadcast_buffers() << ", static_graph " << options_.static_graph() << ", params_to_ignore "
+    << options_.params_to_ignore().size();
   items.emplace_back("DdpOptions", o.str());
   return items;
 }
@@ -176,18 +177,30 @@ std::vector<std::pair<std::string, std::string>> Reducer::description() const {
 // before joining). That rank stepped the most: the others take its
 // parameters, buffers and hook state, so the replicas end identical, as
 // PyTorch's join broadcasts the last rank's model.
-void Reducer::join(const std::function<void()>& loop) {
-  if (group_.world_size() > 1 && GroupAccess::state(group_).check == Check::off)
+void Reducer::join(const std::function<void()>& loop, const JoinOptions& options) {
+  if (!options.enable() || group_.world_size() == 1) return loop();
+  if (GroupAccess::state(group_).check == Check::off)
     throw UsageError("ddp.join() needs the collective check, which tells a rank whose data ran out what the others "
                      "issue: leave ProcessGroupOptions().check_collectives on");
-  loop();
+  if (std::find(sparse_.begin(), sparse_.end(), true) != sparse_.end())
+    throw UsageError("ddp.join(): a model with sparse gradients cannot be joined (a rank that ran out cannot serve a "
+                     "sparse sum whose shape it does not know); give every rank as many batches");
+  divide_by_active_ = !options.divide_by_initial_world_size();
+  try {
+    loop();
+  } catch (...) {
+    divide_by_active_ = false;
+    throw;
+  }
+  divide_by_active_ = false;
   check_bypass();
   const auto streams = streams_of(group_);
   std::vector<int> last(streams.size(), 0);
   std::vector<CollectiveStream::Ticket> tickets;
+  const bool stop = options.throw_on_early_termination();
   for (size_t i = 0; i < streams.size(); ++i)
-    tickets.push_back(streams[i]->post([&last, i](Channel& c) { last[i] = c.serve_until_all_joined(); },
-                                       "ddp.join(), its data run out"));
+    tickets.push_back(streams[i]->post([&last, i, stop](Channel& c) { last[i] = c.serve_until_all_joined(stop); },
+                                       "ddp.join(): its data ran out"));
   for (size_t i = 0; i < streams.size(); ++i) streams[i]->wait(tickets[i]);
   int source = 0;
   for (size_t i = 0; i < streams.size(); ++i)
@@ -195,8 +208,8 @@ void Reducer::join(const std::function<void()>& loop) {
   if (group_.world_size() == 1) return;
   torch::NoGradGuard no_grad;
   const std::string issuer = "ddp.join(): the state of rank " + std::to_string(source) + ", which joined last";
-  for (const auto& [name, t] : distinct_named(module_->named_parameters())) {
-    torch::Tensor value = t.detach();
+  for (const auto& [name, t] : synced(module_->named_parameters())) {
+    torch::Tensor value = t.is_complex() ? torch::view_as_real(t.detach()) : t.detach();
     quick_->broadcast(value, source, issuer);
   }
   for (auto& t : buffers_) quick_->broadcast(t, source, issuer);
@@ -244,7 +257,12 @@ hooks::CommHook& DistributedDataParallelBase::comm_hook() const { return reducer
 const ProcessGroup& DistributedDataParallelBase::process_group() const { return reducer_->process_group(); }
 const DdpOptions& DistributedDataParallelBase::options() const { return reducer_->options(); }
 void DistributedDataParallelBase::check_replicas(const std::string& when) { reducer_->check_replicas(when); }
-void DistributedDataParallelBase::join(const std::function<void()>& loop) { reducer_->join(loop); }
+void DistributedDataParallelBase::join(const std::function<void()>& loop, const JoinOptions& options) {
+  reducer_->join(loop, options);
+}
+void DistributedDataParallelBase::after_forward(const std::vector<at::Tensor>& outputs, bool all) {
+  reducer_->after_forward(outputs, all);
+}
 hooks::WireStats DistributedDataParallelBase::wire_stats() const { return reducer_->wire(); }
 double DistributedDataParallelBase::communication_wait_seconds() const { return reducer_->communication_wait_seconds(); }
 std::vector<std::string> DistributedDataParallelBase::describe_buckets() const { return reducer_->describe_buckets(); }

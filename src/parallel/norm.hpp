@@ -1,5 +1,4 @@
-// SyncBatchNorm as the library sees it: its name in the model (what its
-// collectives say of themselves), and BatchNorm followed by ReLU, fused
+// SyncBatchNorm as the library sees it: BatchNorm followed by ReLU, fused
 // where SyncBatchNorm can fuse them (the mnist_ddp application's Net calls
 // it). Not installed.
 #pragma once
@@ -9,12 +8,6 @@
 #include "mnist_ddp/parallel/sync_batch_norm.hpp"
 
 namespace mnist_ddp {
-
-struct SyncBatchNormAccess {
-  // The layer's name in its model ("features.1"), as convert_sync_batchnorm()
-  // or the DDP that wraps the model gives it; "" until then.
-  static std::string& name(SyncBatchNormImpl& bn) { return bn.name_; }
-};
 
 // relu(bn(input)); in training on more than one rank, with a contiguous
 // float32 NCHW input on the CPU and affine parameters, fused into three

@@ -1,13 +1,12 @@
+// The Reducer's construction and its buckets (reducer.hpp); forward,
+// backward and averaging are in averaging.cpp.
 #include "parallel/reducer.hpp"
 
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <chrono>
-#include <cstring>
 #include <cstdio>
 #include <map>
 #include <set>
@@ -17,7 +16,6 @@
 #include "mnist_ddp/parallel/sync_batch_norm.hpp"
 #include "parallel/norm.hpp"
 #include "comm/group.hpp"
-#include "parallel/wires.hpp"
 
 namespace mnist_ddp {
 
@@ -25,33 +23,56 @@ using detail::Reducer;
 
 namespace {
 
-// Calls back a Reducer while it lives: autograd keeps the hook as long as
-// the accumulator, which may outlive the DDP.
-class ReadyHook : public torch::autograd::FunctionPostHook {
+// Calls back a Reducer while it lives, before (pre) or after (post) an
+// accumulator adds a gradient: autograd keeps the hook as long as the
+// accumulator, which may outlive the DDP.
+class AccumulatorHook : public torch::autograd::FunctionPreHook, public torch::autograd::FunctionPostHook {
  public:
-  ReadyHook(std::weak_ptr<Reducer> reducer, std::function<void(Reducer&)> on_ready)
-      : reducer_(std::move(reducer)), on_ready_(std::move(on_ready)) {}
+  AccumulatorHook(std::weak_ptr<Reducer> reducer, std::function<void(Reducer&)> call)
+      : reducer_(std::move(reducer)), call_(std::move(call)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (const auto reducer = reducer_.lock()) call_(*reducer);
+    return grads;
+  }
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list& /*inputs*/) override {
-    if (const auto reducer = reducer_.lock()) on_ready_(*reducer);
+    if (const auto reducer = reducer_.lock()) call_(*reducer);
     return outputs;
   }
 
  private:
   std::weak_ptr<Reducer> reducer_;
-  std::function<void(Reducer&)> on_ready_;
+  std::function<void(Reducer&)> call_;
 };
 
-// A tensor over part of `buffer`'s memory that autograd does not treat as a
-// view, so optimizers may detach_() and zero_() it in place. It keeps the
-// buffer alive.
-torch::Tensor alias(const torch::Tensor& buffer, int64_t offset, at::IntArrayRef sizes) {
+// A tensor of `type` over part of `buffer`'s memory (from `offset`
+// elements of the buffer's) that autograd does not treat as a view, so
+// optimizers may detach_() and zero_() it in place. It keeps the buffer
+// alive. A complex one lies over twice as many of the buffer's reals.
+torch::Tensor alias(const torch::Tensor& buffer, int64_t offset, at::IntArrayRef sizes, c10::ScalarType type) {
   auto* data = static_cast<char*>(buffer.data_ptr()) + offset * buffer.element_size();
-  return torch::from_blob(data, sizes, [keep = buffer](void*) {}, buffer.options());
+  return torch::from_blob(data, sizes, [keep = buffer](void*) {}, buffer.options().dtype(type));
 }
 
+std::string megabytes(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f MB", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return text;
+}
+
+// The modules whose parameters some DistributedDataParallel averages: one
+// model wrapped twice would average its gradients twice, or not at all.
+std::mutex g_wrapped_mutex;
+std::set<const torch::nn::Module*>& wrapped() {
+  static std::set<const torch::nn::Module*> modules;
+  return modules;
+}
+
+}  // namespace
+
 // Every rank gets the authority's `tensors` (rank 0's, or while ranks have
-// joined the highest active rank's): one broadcast per dtype.
+// joined the highest active rank's): one broadcast per dtype, complex
+// tensors as their real and imaginary parts.
 void broadcast_from_authority(CollectiveStream& stream, const std::vector<torch::Tensor>& tensors,
                               const std::string& issuer) {
   if (stream.world_size() == 1 || tensors.empty()) return;
@@ -62,7 +83,8 @@ void broadcast_from_authority(CollectiveStream& stream, const std::vector<torch:
     std::vector<torch::Tensor> flat_parts;
     for (const auto& t : list) flat_parts.push_back(t.reshape(-1));
     auto flat = torch::cat(flat_parts);
-    stream.broadcast(flat, kAuthority, issuer);
+    torch::Tensor sent = flat.is_complex() ? torch::view_as_real(flat).reshape(-1) : flat;
+    stream.broadcast(sent, kAuthority, issuer);
     int64_t offset = 0;
     for (auto& t : list) {
       t.copy_(flat.slice(0, offset, offset + t.numel()).view_as(t));
@@ -70,14 +92,6 @@ void broadcast_from_authority(CollectiveStream& stream, const std::vector<torch:
     }
   }
 }
-
-std::string megabytes(int64_t bytes) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.2f MB", static_cast<double>(bytes) / (1024.0 * 1024.0));
-  return text;
-}
-
-}  // namespace
 
 // The parameters and buffers of `module` by tensor (a tensor registered
 // twice, tied weights, counts once), in registration order, with names.
@@ -88,6 +102,15 @@ std::vector<std::pair<std::string, torch::Tensor>> distinct_named(
   for (const auto& item : named)
     if (item.value().defined() && seen.insert(item.value().unsafeGetTensorImpl()).second)
       out.emplace_back("module." + item.key(), item.value());
+  return out;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> Reducer::synced(
+    const torch::OrderedDict<std::string, torch::Tensor>& named) const {
+  const auto& ignored = options_.params_to_ignore();
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (auto& item : distinct_named(named))
+    if (std::find(ignored.begin(), ignored.end(), item.first.substr(7)) == ignored.end()) out.push_back(std::move(item));
   return out;
 }
 
@@ -109,21 +132,47 @@ void Reducer::init() {
   if (!(options_.bucket_cap_mb() > 0) || !(options_.first_bucket_cap_mb() > 0))
     throw UsageError("DistributedDataParallel: bucket_cap_mb and first_bucket_cap_mb must be positive");
   const torch::Device& device = group_.device();
-  for (const auto& [name, t] : distinct_named(module_->named_parameters())) {
+  for (const auto& name : options_.params_to_ignore()) {
+    auto named = [&](const auto& list) {
+      return std::any_of(list.begin(), list.end(), [&](const auto& item) { return item.first == "module." + name; });
+    };
+    if (!named(distinct_named(module_->named_parameters())) && !named(distinct_named(module_->named_buffers())))
+      throw UsageError("DistributedDataParallel: params_to_ignore names " + name + ", which the module does not have");
+  }
+  const auto params = synced(module_->named_parameters());
+  auto on_device = [&](const std::string& what, const std::string& name, const torch::Tensor& t) {
     if (t.device() != device)
-      throw UsageError("DistributedDataParallel: parameter " + name + " is on " + t.device().str() +
+      throw UsageError("DistributedDataParallel: " + what + " " + name + " is on " + t.device().str() +
                        ", the process group's device is " + device.str() + ": call model->to(group.device()) first");
+  };
+  std::set<const void*> sparse_weights;  // Embeddings' and EmbeddingBags' with sparse(true)
+  for (const auto& item : module_->named_modules()) {
+    if (const auto* e = dynamic_cast<const torch::nn::EmbeddingImpl*>(item.value().get()); e && e->options.sparse())
+      sparse_weights.insert(e->weight.unsafeGetTensorImpl());
+    if (const auto* e = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(item.value().get()); e && e->options.sparse())
+      sparse_weights.insert(e->weight.unsafeGetTensorImpl());
+  }
+  for (const auto& [name, t] : params) {
+    on_device("parameter", name, t);
     if (!t.requires_grad()) continue;  // frozen: in no bucket
-    if (!t.is_floating_point())
+    if (!t.is_floating_point() && !t.is_complex())
       throw UsageError("DistributedDataParallel: parameter " + name + " requires a gradient but is not floating-point");
     params_.push_back(t);
     param_names_.push_back(name);
+    sparse_.push_back(sparse_weights.count(t.unsafeGetTensorImpl()) > 0);
   }
-  for (const auto& [name, t] : distinct_named(module_->named_buffers())) {
-    if (t.device() != device)
-      throw UsageError("DistributedDataParallel: buffer " + name + " is on " + t.device().str() +
-                       ", the process group's device is " + device.str() + ": call model->to(group.device()) first");
+  if (params_.empty())
+    throw UsageError("DistributedDataParallel is not needed when a module doesn't have any parameter that requires "
+                     "a gradient");
+  for (const auto& [name, t] : synced(module_->named_buffers())) {
+    on_device("buffer", name, t);
     buffers_.push_back(t);
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_wrapped_mutex);
+    if (!wrapped().insert(module_.get()).second)
+      throw UsageError("DistributedDataParallel: this module is wrapped in another DistributedDataParallel already; "
+                       "wrap each model once");
   }
   const ProcessGroup given = group_;
   std::tie(group_, model_) = model_group(given);
@@ -138,7 +187,7 @@ void Reducer::init() {
   // Every rank starts from rank 0's state: its parameters (frozen ones too)
   // and buffers.
   std::vector<torch::Tensor> state;
-  for (const auto& [name, t] : distinct_named(module_->named_parameters())) state.push_back(t);
+  for (const auto& [name, t] : params) state.push_back(t);
   for (const auto& t : buffers_) state.push_back(t);
   broadcast_from_authority(*quick_, state, issuer("DistributedDataParallel's start: rank 0's parameters and buffers"));
 
@@ -148,56 +197,92 @@ void Reducer::init() {
   for (const auto& item : module_->named_modules())
     if (auto* sync = dynamic_cast<SyncBatchNormImpl*>(item.value().get())) {
       const auto& named = sync->process_group();
-      if (!named || GroupAccess::share(*named) == GroupAccess::share(given)) sync->set_process_group(group_);
-      if (SyncBatchNormAccess::name(*sync).empty()) SyncBatchNormAccess::name(*sync) = item.key();
+      if (!named || named->state() == given.state()) sync->set_process_group(group_);
+      if (sync->layer_name().empty()) sync->set_layer_name(item.key());
     }
 
   // Buckets in reverse registration order: roughly the order in which
-  // backward produces gradients. One dtype a bucket.
+  // backward produces gradients.
   std::vector<size_t> order(params_.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = params_.size() - 1 - k;
+  make_buckets(order);
+  used_.assign(params_.size(), false);
+  fires_.assign(params_.size(), 0);
+  ready_.assign(params_.size(), false);
+
+  const std::weak_ptr<Reducer> self = weak_from_this();
+  for (size_t p = 0; p < params_.size(); ++p) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(params_[p]);
+    accumulator->add_pre_hook(
+        std::make_unique<AccumulatorHook>(self, [p](Reducer& r) { r.before_accumulating(p); }));
+    accumulator->add_post_hook(std::make_unique<AccumulatorHook>(self, [p](Reducer& r) { r.mark_ready(p); }));
+    accumulators_.push_back(std::move(accumulator));
+  }
+}
+
+// One dtype a bucket (a complex parameter's bucket holds reals); a sparse
+// gradient in a bucket of its own, without a buffer.
+void Reducer::make_buckets(const std::vector<size_t>& order) {
   std::vector<int64_t> sizes;
   std::vector<int> kinds;
-  for (size_t k = 0; k < order.size(); ++k) {
-    order[k] = params_.size() - 1 - k;
-    sizes.push_back(params_[order[k]].numel() * params_[order[k]].element_size());
-    kinds.push_back(static_cast<int>(params_[order[k]].scalar_type()));
+  for (size_t p : order) {
+    sizes.push_back(params_[p].numel() * params_[p].element_size());
+    kinds.push_back(sparse_[p] ? -1 - static_cast<int>(p) : static_cast<int>(params_[p].scalar_type()));
   }
   const auto mib = [](double mb) { return static_cast<int64_t>(mb * 1024 * 1024); };
   const auto assignment = compute_bucket_assignment(
       sizes, std::min(mib(options_.first_bucket_cap_mb()), mib(options_.bucket_cap_mb())), mib(options_.bucket_cap_mb()),
       kinds);
-
-  bucket_of_.resize(params_.size());
-  grad_views_.resize(params_.size());
+  std::vector<torch::Tensor> old_views = grad_views_;
+  buckets_.clear();
+  bucket_sizes_.clear();
+  bucket_of_.assign(params_.size(), 0);
+  grad_views_.assign(params_.size(), torch::Tensor());
   for (size_t b = 0; b < assignment.size(); ++b) {
+    const torch::Tensor& first = params_[order[assignment[b].front()]];
+    const bool sparse = sparse_[order[assignment[b].front()]];
+    const c10::ScalarType real = c10::toRealValueType(first.scalar_type());
     int64_t total = 0;
-    for (size_t k : assignment[b]) total += params_[order[k]].numel();
-    hooks::GradBucket bucket;
-    bucket.index = b;
-    bucket.is_last = b + 1 == assignment.size();
-    bucket.buffer = torch::zeros({total}, params_[order[assignment[b].front()]].options().requires_grad(false));
+    for (size_t k : assignment[b]) total += params_[order[k]].numel() * (params_[order[k]].is_complex() ? 2 : 1);
+    torch::Tensor buffer;
+    if (!sparse) buffer = torch::zeros({total}, first.options().dtype(real).requires_grad(false));
+    std::vector<torch::Tensor> gradients, parameters;
+    std::vector<std::string> names;
     int64_t offset = 0;
     for (size_t k : assignment[b]) {
       const size_t p = order[k];
-      grad_views_[p] = alias(bucket.buffer, offset, params_[p].sizes());
-      bucket.gradients.push_back(grad_views_[p]);
-      bucket.parameters.push_back(params_[p]);
-      bucket.parameter_names.push_back(param_names_[p].substr(7));  // without "module."
+      const torch::Tensor& param = params_[p];
+      if (!sparse) {
+        grad_views_[p] = alias(buffer, offset, param.sizes(), param.scalar_type());
+        gradients.push_back(param.is_complex() ? torch::view_as_real(grad_views_[p]) : grad_views_[p]);
+        offset += param.numel() * (param.is_complex() ? 2 : 1);
+      }
+      parameters.push_back(param);
+      names.push_back(param_names_[p].substr(7));  // without "module."
       bucket_of_[p] = b;
-      offset += params_[p].numel();
     }
-    buckets_.push_back(std::move(bucket));
+    buckets_.emplace_back(b, b + 1 == assignment.size(), buffer, gradients, parameters, names);
     bucket_sizes_.push_back(assignment[b].size());
   }
-  used_.assign(params_.size(), false);
-  was_undefined_.assign(params_.size(), false);
-
-  const std::weak_ptr<Reducer> self = weak_from_this();
-  for (size_t p = 0; p < params_.size(); ++p) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(params_[p]);
-    accumulator->add_post_hook(std::make_unique<ReadyHook>(self, [p](Reducer& r) { r.mark_ready(p); }));
-    accumulators_.push_back(std::move(accumulator));
+  // Gradients already in the old buckets move to the new ones.
+  torch::NoGradGuard no_grad;
+  for (size_t p = 0; p < params_.size() && !old_views.empty(); ++p) {
+    torch::Tensor& grad = params_[p].mutable_grad();
+    if (grad.defined() && old_views[p].defined() && grad.is_same(old_views[p])) {
+      grad_views_[p].copy_(grad);
+      grad = grad_views_[p];
+    }
   }
+  pending_.assign(bucket_sizes_.begin(), bucket_sizes_.end());
+}
+
+void Reducer::rebuild_buckets() {
+  // The order of rank 0, on every rank: every rank must bucket alike.
+  auto order = torch::tensor(std::vector<int64_t>(ready_order_.begin(), ready_order_.end()), torch::kInt64);
+  quick_->broadcast(order, 0, issuer("DistributedDataParallel's buckets rebuilt in rank 0's order"));
+  std::vector<size_t> first_ready;
+  for (int64_t i = 0; i < order.numel(); ++i) first_ready.push_back(static_cast<size_t>(order[i].item<int64_t>()));
+  make_buckets(first_ready);
 }
 
 Reducer::~Reducer() {
@@ -212,6 +297,8 @@ Reducer::~Reducer() {
     take_averages();
   } catch (...) {
   }
+  std::lock_guard<std::mutex> lock(g_wrapped_mutex);
+  wrapped().erase(module_.get());
 }
 
 void Reducer::register_comm_hook(hooks::CommHookPtr hook) {
@@ -230,7 +317,8 @@ void Reducer::register_comm_hook(hooks::CommHookPtr hook) {
 namespace {
 // "second", "third", ..., "11th": which DistributedDataParallel of its group.
 std::string ordinal(int k) {
-  static const char* const words[] = {"first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth"};
+  static const char* const words[] = {"first", "second", "third", "fourth", "fifth",
+                                      "sixth", "seventh", "eighth", "ninth", "tenth"};
   if (k < 10) return words[k];
   const int n = k + 1, last = n % 10;
   return std::to_string(n) + (n % 100 / 10 == 1 ? "th" : last == 1 ? "st" : last == 2 ? "nd" : last == 3 ? "rd" : "th");
@@ -247,208 +335,18 @@ std::string Reducer::bucket_issuer(size_t b) const {
   return "the " + ordinal(model_) + " DDP's bucket " + std::to_string(b) + "'s backward";
 }
 
-void Reducer::enter_no_sync() { ++no_sync_depth_; }
-void Reducer::leave_no_sync() { --no_sync_depth_; }
-
-// Buffers are broadcast as PyTorch's DDP does: before a forward with
-// gradients that will be averaged; so a forward under NoGradGuard on one
-// rank (evaluating, sampling) issues no collective.
-void Reducer::prepare_forward() {
-  check_bypass();
-  const bool grad = torch::GradMode::is_enabled();
-  if (grad && no_sync_depth_ == 0 && options_.broadcast_buffers())
-    broadcast_from_authority(*quick_, buffers_, issuer("DistributedDataParallel's buffers before a forward"));
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!grad) return;
-  if (in_backward_) throw UsageError("DistributedDataParallel: forward called while a backward is still running");
-  forwarded_ = true;
-  sync_next_backward_ = no_sync_depth_ == 0;
-  // Gradients accumulate into the bucket views from the first backward on.
-  for (size_t p = 0; p < params_.size(); ++p) {
-    if (!params_[p].grad().defined()) was_undefined_[p] = true;
-    link_grad(p);
-  }
-}
-
 std::vector<std::string> Reducer::describe_buckets() const {
   std::vector<std::string> lines;
   for (const auto& b : buckets_) {
     std::ostringstream s;
-    s << "bucket " << b.index << ": " << b.gradients.size() << " parameters, " << b.buffer.numel() << " elements ("
-      << megabytes(b.buffer.numel() * b.buffer.element_size()) << "):";
-    for (size_t p = 0; p < params_.size(); ++p)
-      if (bucket_of_[p] == b.index) s << " " << param_names_[p].substr(7);  // without "module."
+    const bool sparse = !b.buffer().defined();
+    const int64_t elements = sparse ? b.parameters()[0].numel() : b.buffer().numel();
+    s << "bucket " << b.index() << ": " << b.parameters().size() << " parameters, " << elements << " elements ("
+      << (sparse ? "sparse" : megabytes(elements * b.buffer().element_size())) << "):";
+    for (const auto& name : b.parameter_names()) s << " " << name;
     lines.push_back(s.str());
   }
   return lines;
-}
-
-// Makes params_[p].grad the view into its bucket, keeping its value (zero
-// when it had none). Optimizers may have reset .grad (PyTorch 2's
-// zero_grad sets it to undefined) or replaced it.
-void Reducer::link_grad(size_t p) {
-  torch::Tensor& grad = params_[p].mutable_grad();
-  const torch::Tensor& view = grad_views_[p];
-  if (grad.defined() && grad.is_same(view)) return;
-  torch::NoGradGuard no_grad;
-  if (grad.defined()) {
-    view.copy_(grad);
-  } else {
-    view.zero_();
-  }
-  grad = view;
-}
-
-void Reducer::mark_ready(size_t p) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  link_grad(p);
-  used_[p] = true;
-  if (!in_backward_) {
-    in_backward_ = true;
-    backward_seen_ = true;
-    bypassed_ = !forwarded_;  // no ddp.forward since the last backward: model->forward's
-    averaging_ = sync_next_backward_ && !bypassed_;
-    if (averaging_) {
-      pending_.assign(bucket_sizes_.begin(), bucket_sizes_.end());
-      ready_.assign(params_.size(), false);
-      next_bucket_ = 0;
-    }
-    std::weak_ptr<Reducer> self = weak_from_this();
-    torch::autograd::Engine::get_default_engine().queue_callback([self] {
-      if (const auto reducer = self.lock()) reducer->finalize_backward();
-    });
-  }
-  if (!averaging_) return;
-  if (ready_[p])
-    throw UsageError("DistributedDataParallel: parameter " + param_names_[p].substr(7) +
-                     " received two gradients in one backward (a graph that reaches it twice through "
-                     "DistributedDataParallel's hooks)");
-  ready_[p] = true;
-  --pending_[bucket_of_[p]];
-  post_ready_buckets();
-}
-
-void Reducer::post_ready_buckets() {
-  for (; next_bucket_ < buckets_.size() && pending_[next_bucket_] == 0; ++next_bucket_) {
-    const size_t b = next_bucket_;
-    posted_.push_back(stream_->post([this, b](Channel& channel) { communicate(b, channel); }, bucket_issuer(b)));
-  }
-}
-
-// Note on parameters without a gradient. A backward that averages ends
-// with every bucket posted: a parameter that got no gradient in it joins
-// its bucket as whatever its .grad holds (what no_sync's micro-batches
-// accumulated, or zero), so that every rank posts every bucket, in order,
-// whatever its graph. With find_unused_parameters one more allreduce counts
-// the ranks that used each parameter since the last averaging; one that no
-// rank used gets its .grad back as it was. Without the option such a
-// parameter is an error, raised once this rank's buckets are sent, so that
-// its peers finish the step instead of waiting for it.
-void Reducer::finalize_backward() {
-  std::vector<CollectiveStream::Ticket> posted;
-  std::vector<size_t> missing;
-  std::map<size_t, torch::Tensor> kept;  // param -> its .grad before averaging, where it got none now
-  auto used_by = std::make_shared<torch::Tensor>();  // param -> ranks that used it
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    in_backward_ = false;
-    forwarded_ = false;
-    if (bypassed_) {  // named only if an optimizer steps on these gradients (check_bypass())
-      if (!bypassed_at_) bypassed_at_ = checksum(params_);
-      return;
-    }
-    if (!averaging_) return;
-    for (size_t p = 0; p < params_.size(); ++p) {
-      if (ready_[p]) continue;
-      missing.push_back(p);
-      if (!was_undefined_[p] && params_[p].grad().defined()) kept[p] = params_[p].grad().detach().clone();
-      link_grad(p);
-      --pending_[bucket_of_[p]];
-    }
-    post_ready_buckets();
-    if (options_.find_unused_parameters()) {
-      auto mine = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kFloat32);
-      for (size_t p = 0; p < params_.size(); ++p) mine[static_cast<int64_t>(p)] = used_[p] ? 1.0f : 0.0f;
-      posted_.push_back(stream_->post(
-          [mine, used_by](Channel& channel) {
-            torch::Tensor sum = mine.to(channel.staging());
-            channel.allreduce_sum(sum)->waitAndThrow();
-            *used_by = sum.cpu();
-          },
-          "DistributedDataParallel's count of the ranks that used each parameter"));
-    }
-    posted.swap(posted_);
-  }
-  const auto start = std::chrono::steady_clock::now();
-  std::exception_ptr error;
-  for (const auto ticket : posted) {
-    try {
-      stream_->wait(ticket);
-    } catch (...) {
-      if (!error) error = std::current_exception();
-    }
-  }
-  try {
-    take_averages();
-  } catch (...) {
-    if (!error) error = std::current_exception();
-  }
-  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (error) std::rethrow_exception(error);
-  if (!missing.empty() && !options_.find_unused_parameters()) {
-    std::string names;
-    for (size_t p : missing) names += " " + param_names_[p].substr(7);
-    throw UsageError("DistributedDataParallel: backward ended before these parameters received a gradient:" + names +
-                     "; every parameter must take part in the loss, or construct DDP with "
-                     "DdpOptions().find_unused_parameters(true)");
-  }
-  if (used_by->defined()) {
-    const torch::Tensor& counts = *used_by;
-    torch::NoGradGuard no_grad;
-    for (size_t p : missing) {
-      if (counts[static_cast<int64_t>(p)].item<float>() > 0) continue;
-      if (was_undefined_[p]) {
-        params_[p].mutable_grad() = torch::Tensor();
-      } else if (kept.count(p)) {
-        grad_views_[p].copy_(kept[p]);
-      }
-    }
-  }
-  used_.assign(params_.size(), false);
-  was_undefined_.assign(params_.size(), false);
-}
-
-void Reducer::communicate(size_t b, Channel& channel) {
-  if (b == 0 && !hook_agreed_) {  // every rank's first bucket of its first averaging backward
-    channel.agree({{"hook", hook_->describe()}}, "register_comm_hook",
-                  "every rank must register the same communication hook, with the same options");
-    hook_agreed_ = true;
-  }
-  hooks::GroupWire wire(channel, wire_stats_);
-  FuturePtr result = hook_->run(buckets_[b], wire);
-  std::lock_guard<std::mutex> lock(averaging_mutex_);
-  in_flight_.emplace_back(b, std::move(result));
-}
-
-void Reducer::take_averages() {
-  std::vector<std::pair<size_t, FuturePtr>> in_flight;
-  {
-    std::lock_guard<std::mutex> lock(averaging_mutex_);
-    in_flight.swap(in_flight_);
-  }
-  std::exception_ptr error;
-  for (const auto& [b, result] : in_flight) {
-    try {
-      result->waitAndThrow();
-      const torch::Tensor averaged = hooks::future_tensor(result);
-      if (!averaged.is_same(buckets_[b].buffer)) buckets_[b].buffer.copy_(averaged);
-    } catch (const Error&) {
-      if (!error) error = std::current_exception();
-    } catch (const std::exception& e) {  // a backend's: in our words first, as the stream says a task's
-      if (!error) error = std::make_exception_ptr(CollectiveFailed(bucket_issuer(b) + ": a collective failed: " + error_line(e)));
-    }
-  }
-  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace mnist_ddp

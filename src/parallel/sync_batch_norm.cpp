@@ -145,7 +145,7 @@ struct StreamHolder : torch::CustomClassHolder {
 
 // Who a layer's collectives say issues them.
 std::string layer_issuer(SyncBatchNormImpl& bn, const char* pass) {
-  const std::string& name = SyncBatchNormAccess::name(bn);
+  const std::string& name = bn.layer_name();
   return "SyncBatchNorm " + (name.empty() ? std::string("(a layer no DDP wraps)") : name) + "'s " + pass;
 }
 

@@ -103,10 +103,13 @@ class ProcessGroup {
   at::Tensor allgather(const at::Tensor& tensor) const;
   void barrier() const;
 
- private:
+ public:
+  // The group's state, the library's own: an incomplete type to a program.
   struct State;
-  friend struct GroupAccess;  // the library's own view (not installed)
   explicit ProcessGroup(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  const std::shared_ptr<State>& state() const { return state_; }
+
+ private:
   std::shared_ptr<State> state_;
 };
 

@@ -53,17 +53,42 @@
 
 namespace mnist_ddp::hooks {
 
-// One bucket of one backward, as a hook sees it.
-struct GradBucket {
-  size_t index = 0;      // position in launch order, the same on every rank
-  bool is_last = false;  // the last bucket of a step: per-step state advances here
-  at::Tensor buffer;     // flat, this rank's gradients, not divided by world size
-  // Views into buffer, shaped as the parameters, lying in order without gaps.
-  std::vector<at::Tensor> gradients;
+// One bucket of one backward, as a hook sees it: read-only, as c10d's
+// GradBucket. A hook averages the buffer's values (in place, or into a
+// tensor its future returns); which tensor is the bucket's, it cannot
+// change.
+class GradBucket {
+ public:
+  GradBucket(size_t index, bool is_last, at::Tensor buffer, std::vector<at::Tensor> gradients,
+             std::vector<at::Tensor> parameters, std::vector<std::string> parameter_names)
+      : index_(index),
+        is_last_(is_last),
+        buffer_(std::move(buffer)),
+        gradients_(std::move(gradients)),
+        parameters_(std::move(parameters)),
+        parameter_names_(std::move(parameter_names)) {}
+  // Position in launch order, the same on every rank.
+  size_t index() const { return index_; }
+  // The last bucket of a step: per-step state advances here.
+  bool is_last() const { return is_last_; }
+  // Flat, this rank's gradients, not divided by world size (complex ones
+  // as their real and imaginary parts).
+  const at::Tensor& buffer() const { return buffer_; }
+  // Views into buffer(), shaped as the parameters (a complex one's as
+  // view_as_real's), lying in order without gaps.
+  const std::vector<at::Tensor>& gradients() const { return gradients_; }
   // The parameters those gradients belong to, in the same order, and their
   // names in the model ("fc1.weight"), as c10d's GradBucket gives them.
-  std::vector<at::Tensor> parameters;
-  std::vector<std::string> parameter_names;
+  const std::vector<at::Tensor>& parameters() const { return parameters_; }
+  const std::vector<std::string>& parameter_names() const { return parameter_names_; }
+
+ private:
+  size_t index_;
+  bool is_last_;
+  at::Tensor buffer_;
+  std::vector<at::Tensor> gradients_;
+  std::vector<at::Tensor> parameters_;
+  std::vector<std::string> parameter_names_;
 };
 
 // The gradients' shapes laid over `flat`, a tensor of the bucket's size.
@@ -118,14 +143,14 @@ class CommHook {
   // Called on the communication thread, once per bucket and backward, in
   // bucket order. May block on its collectives (see the top of this file
   // for what it must not do).
-  virtual FuturePtr run(GradBucket& bucket, Wire& wire) = 0;
+  virtual FuturePtr run(const GradBucket& bucket, Wire& wire) = 0;
   // Whether the coming step compresses as fully as this hook ever will
   // (false during PowerSGD's plain-allreduce warm-up).
   virtual bool compression_started() const { return true; }
   virtual HookState state() const { return {}; }
   // Takes back what state() returned (on any device: tensors move to the
   // bucket's). Throws c10::Error for a state of another hook or layout.
-  virtual void load_state(const HookState& state) {}
+  virtual void load_state(const HookState& /*state*/) {}
 };
 using CommHookPtr = std::shared_ptr<CommHook>;
 
@@ -139,7 +164,7 @@ torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archi
 class AllreduceHook : public CommHook {
  public:
   std::string name() const override { return "none"; }
-  FuturePtr run(GradBucket& bucket, Wire& wire) override;
+  FuturePtr run(const GradBucket& bucket, Wire& wire) override;
 };
 
 // Runs `inner` with float16 or bfloat16 on the wire.
@@ -148,7 +173,7 @@ class CompressWrapper : public CommHook {
   CompressWrapper(CommHookPtr inner, c10::ScalarType type);
   std::string name() const override;
   std::string describe() const override;
-  FuturePtr run(GradBucket& bucket, Wire& wire) override;
+  FuturePtr run(const GradBucket& bucket, Wire& wire) override;
   bool compression_started() const override { return inner_->compression_started(); }
   HookState state() const override { return inner_->state(); }
   void load_state(const HookState& state) override { inner_->load_state(state); }
@@ -197,7 +222,7 @@ struct PowerSgdState {
 // in place.
 class PowerSgdBase : public CommHook {
  public:
-  FuturePtr run(GradBucket& bucket, Wire& wire) final;
+  FuturePtr run(const GradBucket& bucket, Wire& wire) final;
   std::string describe() const override;
   bool compression_started() const override;
   HookState state() const override;
@@ -211,7 +236,7 @@ class PowerSgdBase : public CommHook {
 
  protected:
   explicit PowerSgdBase(const PowerSgdOptions& options) : options_(options) {}
-  virtual void compress(GradBucket& bucket, Wire& wire) = 0;
+  virtual void compress(const GradBucket& bucket, Wire& wire) = 0;
   // A fresh seed for drawing Q, the same sequence on every rank.
   uint64_t next_seed();
 
@@ -230,7 +255,7 @@ class PowerSgdHook : public PowerSgdBase {
   std::string name() const override { return "powersgd"; }
 
  private:
-  void compress(GradBucket& bucket, Wire& wire) override;
+  void compress(const GradBucket& bucket, Wire& wire) override;
 };
 
 // batched_powersgd: the whole bucket as one square matrix of side
@@ -243,7 +268,7 @@ class BatchedPowerSgdHook : public PowerSgdBase {
   std::string name() const override { return "batched_powersgd"; }
 
  private:
-  void compress(GradBucket& bucket, Wire& wire) override;
+  void compress(const GradBucket& bucket, Wire& wire) override;
 };
 
 CommHookPtr allreduce();

@@ -65,13 +65,17 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   void set_process_group(const ProcessGroup& group) { group_ = group; }
   // The group set_process_group() named; nullopt: none yet.
   const std::optional<ProcessGroup>& process_group() const { return group_; }
+  // Its name in its model ("features.1"), which its collectives give in
+  // what they say of themselves; convert_sync_batchnorm() or the DDP that
+  // wraps the model sets it, "" until then.
+  const std::string& layer_name() const { return name_; }
+  void set_layer_name(std::string name) { name_ = std::move(name); }
 
   torch::nn::BatchNormOptions options;
   torch::Tensor weight, bias;                                   // parameters (undefined unless affine)
   torch::Tensor running_mean, running_var, num_batches_tracked;  // buffers (undefined unless tracked)
 
  private:
-  friend struct SyncBatchNormAccess;  // the library's own view (not installed)
   void register_state();
   std::optional<ProcessGroup> group_;
   std::string name_;  // in its model, for what its collectives say of themselves
