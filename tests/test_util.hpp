@@ -153,6 +153,55 @@ inline double max_abs_diff(const c10::Dict<std::string, torch::Tensor>& a, const
   return worst;
 }
 
+// Per-rank slices of a tensor whose first dimension is world * n.
+inline torch::Tensor shard(const torch::Tensor& t, int rank, int world) {
+  const int64_t n = t.size(0) / world;
+  return t.slice(0, rank * n, (rank + 1) * n);
+}
+
+// Models built serially, from one seed each: ranks as threads share LibTorch's
+// default generator. Every rank starts elsewhere (seed + rank): DDP must
+// broadcast rank 0's state.
+template <typename Model>
+std::vector<std::shared_ptr<Model>> replicas(uint64_t seed, int world) {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  std::vector<std::shared_ptr<Model>> out;
+  for (int r = 0; r <= world; ++r) {  // the last one is the oracle, built as rank 0's
+    torch::manual_seed(r < world ? seed + r : seed);
+    out.push_back(std::make_shared<Model>());
+  }
+  return out;
+}
+
+// Every parameter's gradient (undefined ones as an empty tensor) and value, cloned.
+struct Snapshot {
+  std::vector<torch::Tensor> grads, values;
+};
+inline Snapshot snapshot(torch::nn::Module& m) {
+  Snapshot s;
+  for (const auto& p : m.parameters()) {
+    s.grads.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+    s.values.push_back(p.detach().clone());
+  }
+  return s;
+}
+
+// Each rank's snapshot equals the oracle's within `tolerance`, and rank 0's bit for bit.
+inline void expect_oracle(const std::vector<Snapshot>& ranks, const Snapshot& oracle, double tolerance = 1e-5) {
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ASSERT_EQ(ranks[r].grads.size(), oracle.grads.size());
+    for (size_t i = 0; i < oracle.grads.size(); ++i) {
+      EXPECT_EQ(ranks[r].grads[i].defined(), oracle.grads[i].defined()) << "rank " << r << " parameter " << i;
+      if (oracle.grads[i].defined() && ranks[r].grads[i].defined()) {
+        EXPECT_LE(max_abs_diff(ranks[r].grads[i], oracle.grads[i]), tolerance) << "rank " << r << " parameter " << i;
+      }
+      EXPECT_LE(max_abs_diff(ranks[r].values[i], oracle.values[i]), tolerance) << "rank " << r << " parameter " << i;
+      EXPECT_TRUE(torch::equal(ranks[r].values[i], ranks[0].values[i])) << "replica " << r << " parameter " << i;
+    }
+  }
+}
+
 // True for a regular file (or a link to one).
 inline bool is_regular_file(const std::string& path) {
   struct stat st;

@@ -82,14 +82,4 @@ const Backend& default_backend_for(const c10::Device& device) {
   throw UsageError("no backend takes " + device.str());
 }
 
-void register_backend(Backend backend) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  for (Backend& b : registry())
-    if (b.name == backend.name) {
-      b = std::move(backend);
-      return;
-    }
-  registry().push_back(std::move(backend));
-}
-
 }  // namespace mnist_ddp

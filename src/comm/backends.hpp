@@ -1,8 +1,8 @@
 // The backends a process group is made of, in one place: Gloo, and NCCL
 // where the LibTorch has CUDA. Everything the rest of the library asks of a
-// backend is a field here, so a new one (MPI, UCC, a c10d group a program
-// already has) joins by registering itself, without a change to the
-// collectives. Not installed.
+// backend is a field here, so a new one (MPI, UCC) joins as one more entry
+// of backends.cpp's registry, without a change to the collectives. Not
+// installed.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -55,7 +55,5 @@ const Backend& backend_named(const std::string& name);
 // The backend "auto" stands for on `device`: the first registered that
 // takes it and prefers it (NCCL on a GPU), else Gloo.
 const Backend& default_backend_for(const c10::Device& device);
-// Adds `backend` (or replaces the one of its name). Before any group is made.
-void register_backend(Backend backend);
 
 }  // namespace mnist_ddp

@@ -350,9 +350,9 @@ std::string first_difference(const std::vector<std::pair<std::string, std::strin
 
 }  // namespace
 
-void Channel::agree(const std::vector<std::pair<std::string, std::string>>& items, const std::string& subject,
-                    const std::string& advice) {
-  if (world_size() == 1) return;
+std::string Channel::disagreement(const std::vector<std::pair<std::string, std::string>>& items,
+                                  const std::string& subject, const std::string& advice) {
+  if (world_size() == 1) return "";
   std::string text;
   for (const auto& [name, value] : items) text += name + kItemField + value + kItemEnd;
   const std::string issuer = issuer_;
@@ -372,13 +372,14 @@ void Channel::agree(const std::vector<std::pair<std::string, std::string>>& item
   int first = -1;
   for (int r = 0; r < world_size() && first < 0; ++r)
     if (lengths[r].item<int64_t>() > 0) first = r;
-  if (first < 0) return;
+  if (first < 0) return "";
   const auto reference = items_of(text_of_rank(first));
   for (int r = first + 1; r < world_size(); ++r) {
     if (lengths[r].item<int64_t>() == 0) continue;
     const std::string difference = first_difference(reference, items_of(text_of_rank(r)), r, first);
-    if (!difference.empty()) throw UsageError(subject + ": " + difference + ": " + advice);
+    if (!difference.empty()) return subject + ": " + difference + ": " + advice;
   }
+  return "";
 }
 
 }  // namespace mnist_ddp

@@ -251,17 +251,36 @@ CollectiveStream::Ticket CollectiveStream::post(Task task, std::string issuer) {
     lock.lock();
   }
   const Ticket ticket = posted_++;
-  queue_.push_back(Queued{ticket, std::move(task), std::move(issuer)});
+  queue_.push_back(Queued{ticket, std::move(task), std::move(issuer), nullptr});
   cv_.notify_all();
   return ticket;
 }
 
 void CollectiveStream::wait(Ticket ticket) {
   std::unique_lock<std::mutex> lock(mutex_);
-  while (!cv_.wait_for(lock, std::chrono::milliseconds(200), [&] { return finished_ > ticket; }))
+  while (!cv_.wait_for(lock, std::chrono::milliseconds(200), [&] { return finished_ > ticket || abandoned_; }))
     if (watch_)
       if (auto mismatch = watch_->mismatch()) std::rethrow_exception(mismatch);
+  if (abandoned_ && finished_ <= ticket) std::rethrow_exception(abandoned_);
   if (error_ && ticket >= failed_) std::rethrow_exception(error_);
+}
+
+bool CollectiveStream::finished(Ticket ticket) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return finished_ > ticket;
+}
+
+void CollectiveStream::abandon(std::exception_ptr why) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    abandoned_ = why;
+    if (!error_) {
+      error_ = why;
+      failed_ = posted_;
+    }
+    stopping_ = true;
+  }
+  cv_.notify_all();
 }
 
 void CollectiveStream::run(const Task& task, std::string issuer) { wait(post(task, std::move(issuer))); }
@@ -298,6 +317,10 @@ void CollectiveStream::loop() {
       queue_.pop_front();
       skip = error_ != nullptr;
     }
+    if (skip && next.skipped) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      next.skipped(error_);
+    }
     if (!skip) {
       if (channel_.probe) channel_.probe->running();
       channel_.set_issuer(next.issuer);
@@ -316,6 +339,28 @@ void CollectiveStream::loop() {
     }
     cv_.notify_all();
   }
+}
+
+std::pair<CollectiveStream::Ticket, FuturePtr> CollectiveStream::post_for(std::function<c10::IValue(Channel&)> task,
+                                                                         std::string issuer) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  const std::string who = issuer;
+  const Ticket ticket = post(
+      [task = std::move(task), future, who](Channel& c) {
+        try {
+          future->markCompleted(task(c));
+        } catch (...) {
+          future->setError(in_our_words(std::current_exception(), who));
+          throw;
+        }
+      },
+      std::move(issuer));
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& queued : queue_)
+    if (queued.ticket == ticket) queued.skipped = [future](std::exception_ptr why) { future->setErrorIfNeeded(why); };
+  if (finished_ > ticket && !future->completed())  // skipped before it was told to say so
+    future->setErrorIfNeeded(error_);
+  return {ticket, future};
 }
 
 void CollectiveStream::allreduce_sum(torch::Tensor& tensor, std::string issuer) {

@@ -178,12 +178,14 @@ class Channel {
   // the running task's issuer, for the check.
   void set_issuer(std::string issuer) { issuer_ = std::move(issuer); }
   // Compares every rank's `items` (name, value) with rank 0's, in two
-  // allgathers; throws UsageError naming the first difference on every
-  // rank: "<subject>: rank 1's fc1.weight is [512, 784] float32, rank 0's is
-  // [16, 784] float32: <advice>". A rank that has joined (ddp.join())
-  // says nothing and is not compared.
-  void agree(const std::vector<std::pair<std::string, std::string>>& items, const std::string& subject,
-             const std::string& advice);
+  // allgathers; returns, the same on every rank, the line naming the first
+  // difference ("<subject>: rank 1's fc1.weight is [512, 784] float32, rank
+  // 0's is [16, 784] float32: <advice>"), or "" where all agree. The caller
+  // throws it as a UsageError, outside the task where it can: every rank
+  // stops at the same point, and the stream stays usable. A rank that has
+  // joined (ddp.join()) says nothing and is not compared.
+  std::string disagreement(const std::vector<std::pair<std::string, std::string>>& items, const std::string& subject,
+                           const std::string& advice);
   // ddp.join() for this lane: serves the collectives the active ranks issue,
   // with zeros, until every rank has joined. Returns the rank that joined
   // last (the one whose lane passed the most collectives before joining).
@@ -303,6 +305,17 @@ class CollectiveStream {
   void wait(Ticket ticket);
   // post + wait.
   void run(const Task& task, std::string issuer = "a task on the stream");
+  // post(), with a future that completes with what `task` returns, or with
+  // its error in our words (a task not run after an earlier failure: that
+  // failure).
+  std::pair<Ticket, FuturePtr> post_for(std::function<c10::IValue(Channel&)> task, std::string issuer);
+  // Whether task `ticket` has run (or been skipped).
+  bool finished(Ticket ticket);
+  // Gives the stream up (ProcessGroup::shutdown): every wait, now and
+  // later, throws `why`; no further task runs; a task still waiting on a
+  // peer is left to the process's end (the stream must then never be
+  // destroyed: the caller keeps it).
+  void abandon(std::exception_ptr why);
 
   // Blocking conveniences, one task each.
   void allreduce_sum(torch::Tensor& tensor, std::string issuer = "a task on the stream");
@@ -331,6 +344,7 @@ class CollectiveStream {
     Ticket ticket;
     Task task;
     std::string issuer;
+    std::function<void(std::exception_ptr)> skipped;  // told why, where the task is not run
   };
   std::mutex mutex_;
   std::condition_variable cv_;
@@ -340,6 +354,7 @@ class CollectiveStream {
   std::exception_ptr error_;
   Ticket failed_ = 0;    // the first failed task, when error_ is set
   bool stopping_ = false;
+  std::exception_ptr abandoned_;  // abandon()'s reason
   std::shared_ptr<StreamProbe> probe_;  // the posting threads' view, under mutex_
   std::thread thread_;
 };

@@ -39,6 +39,8 @@ struct ProcessGroup::State {
   std::vector<std::weak_ptr<CollectiveStream>> streams;  // every stream made, for ddp.join()
   int streams_made = 0;           // by new_stream(), for their store prefixes
   int models = 0;                 // DistributedDataParallels built over it
+  bool shut_down = false;  // ProcessGroup::shutdown()
+  int groups_made = 0;     // by new_group(), for their store prefixes
   // A view (view_of()): the group it shows through streams of its own;
   // what a view asks of the group as a whole (its streams, its count of
   // models) is its base's.
@@ -78,7 +80,6 @@ std::pair<ProcessGroup, int> model_group(const ProcessGroup& group);
 // Every stream of the group still alive, the bulk one first.
 std::vector<std::shared_ptr<CollectiveStream>> streams_of(const ProcessGroup& group);
 
-const StorePtr& store_of(const ProcessGroup& group);
 // The machine rank `rank` runs on (0 ... nodes - 1), as its launcher placed
 // it: node 0's ranks come first.
 int node_of(const ProcessGroup& group, int rank);
@@ -87,6 +88,16 @@ int node_of(const ProcessGroup& group, int rank);
 // is gone (its host took rank 0 along); nullopt when the store does not
 // answer (its host, or the link to it, hangs).
 std::optional<std::vector<int>> silent_ranks(const ProcessGroup& group);
+
+// The group a program's own collectives and a DDP's streams take their
+// store prefixes and counts from: the group itself, or a view's base.
+GroupState& base_of(const ProcessGroup& group);
+
+// Forms a group over `store` (whose keys it owns) from its settled ranks:
+// its heartbeat, its streams; `check`: nullopt for the backend's default.
+std::shared_ptr<GroupState> form(StorePtr store, int rank, int world_size, const Backend& backend,
+                                 torch::Device device, std::chrono::milliseconds timeout, bool shared_memory,
+                                 const std::string& gloo_address, std::optional<Check> check);
 
 // Joins the job for a worker whose launcher's environment is already read
 // (the mnist_ddp application resolves it against its own flags first).

@@ -79,19 +79,17 @@ const std::string& ProcessGroup::backend() const { return state_->backend; }
 std::chrono::milliseconds ProcessGroup::timeout() const { return state_->timeout; }
 int ProcessGroup::restart() const { return state_->restart; }
 const std::string& ProcessGroup::launcher() const { return state_->launcher; }
-void ProcessGroup::allreduce_sum(at::Tensor& tensor) const {
-  state_->quick->allreduce_sum(tensor, "the program's own allreduce_sum");
-}
-void ProcessGroup::broadcast(at::Tensor& tensor, int root) const {
-  state_->quick->broadcast(tensor, root, "the program's own broadcast");
-}
-at::Tensor ProcessGroup::allgather(const at::Tensor& tensor) const {
-  return state_->quick->allgather(tensor, "the program's own allgather");
-}
-void ProcessGroup::barrier() const { state_->quick->barrier("the program's own barrier"); }
-
 ProcessGroup::State::~State() {
-  if (watch) watch->ended(std::uncaught_exceptions() == 0);  // a view has no watch of its own: its base says it
+  // A view has no watch of its own: its base says it.
+  if (watch) watch->ended(!shut_down && std::uncaught_exceptions() == 0);
+  if (!shut_down) return;
+  // Shut down: a stream's thread may still wait on a peer; it and its
+  // stream are left to the process's end.
+  static std::mutex mutex;
+  static auto* abandoned = new std::vector<std::shared_ptr<CollectiveStream>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& weak : streams)
+    if (auto stream = weak.lock()) abandoned->push_back(std::move(stream));
 }
 
 const std::shared_ptr<CollectiveStream>& bulk_stream(const ProcessGroup& group) {
@@ -100,14 +98,11 @@ const std::shared_ptr<CollectiveStream>& bulk_stream(const ProcessGroup& group) 
 const std::shared_ptr<CollectiveStream>& quick_stream(const ProcessGroup& group) {
   return GroupAccess::state(group).quick;
 }
-const StorePtr& store_of(const ProcessGroup& group) { return GroupAccess::state(group).store; }
 
-namespace {
 GroupState& base_of(const ProcessGroup& group) {
   GroupState& s = GroupAccess::state(group);
   return s.base ? *s.base : s;
 }
-}  // namespace
 
 std::shared_ptr<CollectiveStream> new_stream(const ProcessGroup& group) {
   GroupState& s = base_of(group);
@@ -181,6 +176,25 @@ std::optional<std::vector<int>> silent_ranks(const ProcessGroup& group) {
   return silent;
 }
 
+std::shared_ptr<GroupState> form(StorePtr store, int rank, int world_size, const Backend& backend,
+                                 torch::Device device, std::chrono::milliseconds timeout, bool shared_memory,
+                                 const std::string& gloo_address, std::optional<Check> check) {
+  auto s = std::make_shared<GroupState>();
+  s->check = check ? *check : backend.on_device ? Check::alongside : Check::before;
+  s->rank = rank;
+  s->world_size = world_size;
+  s->backend = backend.name;
+  s->device = device;
+  s->timeout = timeout;
+  s->gloo_address = gloo_address;
+  s->store = std::move(store);
+  s->shared_memory = shared_memory && !backend.on_device && device.is_cpu();
+  if (world_size > 1) s->watch = std::make_shared<CollectiveWatch>(s->store, rank, world_size, timeout);
+  s->stream = make_stream(*s, "main", "bulk");
+  s->quick = !backend.lanes || world_size == 1 ? s->stream : make_stream(*s, "quick", "quick", /*blocking=*/true);
+  return s;
+}
+
 namespace {
 
 std::mutex g_default_mutex;
@@ -220,24 +234,6 @@ std::optional<ProcessGroup> joined_before(const ProcessGroupOptions& options) {
   return GroupAccess::make(state);
 }
 
-std::shared_ptr<GroupState> form(StorePtr store, int rank, int world_size, const Backend& backend,
-                                 torch::Device device, std::chrono::milliseconds timeout, bool shared_memory,
-                                 const std::string& gloo_address, std::optional<Check> check) {
-  auto s = std::make_shared<GroupState>();
-  s->check = check ? *check : backend.on_device ? Check::alongside : Check::before;
-  s->rank = rank;
-  s->world_size = world_size;
-  s->backend = backend.name;
-  s->device = device;
-  s->timeout = timeout;
-  s->gloo_address = gloo_address;
-  s->store = std::move(store);
-  s->shared_memory = shared_memory && !backend.on_device && device.is_cpu();
-  if (world_size > 1) s->watch = std::make_shared<CollectiveWatch>(s->store, rank, world_size, timeout);
-  s->stream = make_stream(*s, "main", "bulk");
-  s->quick = !backend.lanes || world_size == 1 ? s->stream : make_stream(*s, "quick", "quick", /*blocking=*/true);
-  return s;
-}
 
 // The device a rank takes when it is not told: its launcher's plan, else
 // a GPU of its own where CUDA sees GPUs, else the CPU.
@@ -352,10 +348,16 @@ ProcessGroup join_or_stay_alone(const ProcessGroupOptions& options) {
 
 ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   if (const auto joined = joined_before(options)) return *joined;
-  ProcessGroup group = join_or_stay_alone(options);
-  std::lock_guard<std::mutex> lock(g_default_mutex);
-  g_joined = true;
-  return group;
+  try {
+    ProcessGroup group = join_or_stay_alone(options);
+    std::lock_guard<std::mutex> lock(g_default_mutex);
+    g_joined = true;
+    return group;
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {  // a port in use, shared memory, a device: one line, in the hierarchy
+    throw Error("init_process_group: " + error_line(e));
+  }
 }
 
 std::optional<ProcessGroup> default_process_group() {

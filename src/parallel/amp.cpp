@@ -7,6 +7,7 @@
 #include <sstream>
 #include <utility>
 
+#include "mnist_ddp/base/errors.hpp"
 #include "base/port.hpp"
 #include "base/require.hpp"
 #include "comm/group.hpp"
@@ -15,7 +16,13 @@ namespace mnist_ddp {
 
 Autocast::Autocast(const torch::Device& device, c10::ScalarType dtype)
     : type_(device.type()), was_enabled_(port::autocast_enabled(type_)), was_dtype_(port::autocast_dtype(type_)) {
-  port::set_autocast(type_, true, dtype);
+  try {
+    port::set_autocast(type_, true, dtype);
+  } catch (const c10::Error& e) {  // this LibTorch's autocast has no such dtype on that device
+    port::set_autocast(type_, was_enabled_, was_dtype_);
+    throw UsageError("Autocast(" + device.str() + ", " + c10::toString(dtype) + "): " + error_line(e) +
+                     " (autocast_unsupported() says so before)");
+  }
   at::autocast::increment_nesting();
 }
 
@@ -74,12 +81,14 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
     std::ostringstream o;
     o << "init_scale " << options_.init_scale() << ", growth_factor " << options_.growth_factor() << ", backoff_factor "
       << options_.backoff_factor() << ", growth_interval " << options_.growth_interval();
+    std::string difference;
     quick_stream(group_)->run(
         [&](Channel& c) {
-          c.agree({{"options", o.str()}, {"scale", std::to_string(scale_)}}, "GradScaler",
-                  "every rank must make its GradScaler with the same options and state");
+          difference = c.disagreement({{"options", o.str()}, {"scale", std::to_string(scale_)}}, "GradScaler",
+                                      "every rank must make its GradScaler with the same options and state");
         },
         "GradScaler's first step");
+    if (!difference.empty()) throw UsageError(difference);
     agreed_ = true;
   }
   auto any = (found.defined() ? found.reshape({1}) : torch::zeros({1}, torch::kFloat64)).to(group_.device());

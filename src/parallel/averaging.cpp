@@ -152,9 +152,18 @@ void Reducer::mark_ready(size_t p) {
 }
 
 void Reducer::ready(size_t p) {
-  if (!used_[p] && !kept_.count(p))  // ready without a gradient: what its .grad was, should no rank use it
-    kept_[p] = params_[p].grad().defined() ? params_[p].grad().detach().clone() : torch::Tensor();
-  link_grad(p);  // before its bucket goes
+  if (used_[p]) {
+    link_grad(p);  // before its bucket goes
+  } else if (!kept_.count(p)) {  // ready without a gradient: what its .grad was, should no rank use it
+    const torch::Tensor& grad = params_[p].grad();
+    kept_[p] = grad.defined() ? grad.detach().clone() : torch::Tensor();
+    if (grad.defined()) {
+      link_grad(p);
+    } else if (!sparse_[p]) {  // zeros in its bucket; .grad stays undefined unless another rank used it
+      torch::NoGradGuard no_grad;
+      grad_views_[p].zero_();
+    }
+  }
   ready_[p] = true;
   --pending_[bucket_of_[p]];
   post_ready_buckets();
@@ -242,8 +251,9 @@ void Reducer::complete_iteration(std::unique_lock<std::mutex>& lock) {
   if (!used_by->defined()) return;
   torch::NoGradGuard no_grad;
   for (const auto& [p, before] : kept) {
-    if ((*used_by)[static_cast<int64_t>(p)].item<float>() > 0) continue;
-    if (before.defined() && !sparse_[p]) {
+    if ((*used_by)[static_cast<int64_t>(p)].item<float>() > 0) {  // another rank's gradient, averaged
+      if (!params_[p].grad().defined() && !sparse_[p]) params_[p].mutable_grad() = grad_views_[p];
+    } else if (before.defined() && !sparse_[p]) {
       grad_views_[p].copy_(before);
     } else {
       params_[p].mutable_grad() = before;  // undefined where it was (a sparse gradient is no view)
@@ -277,8 +287,10 @@ void Reducer::finish_open_iteration() {
 
 void Reducer::communicate(size_t b, Channel& channel) {
   if (b == 0 && !hook_agreed_) {  // every rank's first bucket of its first averaging backward
-    channel.agree({{"hook", hook_->describe()}}, "register_comm_hook",
-                  "every rank must register the same communication hook, with the same options");
+    const std::string difference = channel.disagreement(
+        {{"hook", hook_->describe()}}, "register_comm_hook",
+        "every rank must register the same communication hook, with the same options");
+    if (!difference.empty()) throw UsageError(difference);
     hook_agreed_ = true;
   }
   const hooks::GradBucket& bucket = buckets_[b];

@@ -210,6 +210,18 @@ FuturePtr PowerSgdBase::run(const GradBucket& bucket, Wire& wire) {
   return result;
 }
 
+PowerSgdBase::PowerSgdBase(const PowerSgdOptions& options) : options_(options) {
+  auto refuse = [](const std::string& what) { throw UsageError("PowerSgdOptions: " + what); };
+  if (options.matrix_approximation_rank() < 1)
+    refuse("matrix_approximation_rank " + std::to_string(options.matrix_approximation_rank()) + ": must be at least 1");
+  if (options.start_powersgd_iter() < 0)
+    refuse("start_powersgd_iter " + std::to_string(options.start_powersgd_iter()) + ": must be at least 0");
+  if (!(options.min_compression_rate() > 0) || !std::isfinite(options.min_compression_rate()))
+    refuse("min_compression_rate must be a positive number");
+  if (!(options.orthogonalization_epsilon() >= 0) || !std::isfinite(options.orthogonalization_epsilon()))
+    refuse("orthogonalization_epsilon must be a number >= 0");
+}
+
 bool PowerSgdBase::compression_started() const { return state_.iter >= options_.start_powersgd_iter(); }
 
 std::string PowerSgdBase::describe() const {

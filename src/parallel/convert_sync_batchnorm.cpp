@@ -76,6 +76,11 @@ void find_batch_norms(torch::nn::Module& module, const std::string& prefix, std:
 
 }  // namespace
 
+void convert_sync_batchnorm(torch::nn::Module* module, const std::optional<ProcessGroup>& group) {
+  if (!module) throw UsageError("convert_sync_batchnorm: the module is null");
+  convert_sync_batchnorm(*module, group);
+}
+
 void convert_sync_batchnorm(torch::nn::Module& module, const std::optional<ProcessGroup>& group) {
   std::map<torch::nn::Module*, Found> found;
   std::vector<std::string> unreachable;

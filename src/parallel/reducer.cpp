@@ -173,6 +173,7 @@ void Reducer::init() {
     if (!wrapped().insert(module_.get()).second)
       throw UsageError("DistributedDataParallel: this module is wrapped in another DistributedDataParallel already; "
                        "wrap each model once");
+    registered_ = true;
   }
   const ProcessGroup given = group_;
   std::tie(group_, model_) = model_group(given);
@@ -181,8 +182,10 @@ void Reducer::init() {
 
   // Every rank wraps the same model, with the same options: compared before
   // anything of a size another rank does not expect is sent.
-  quick_->run([&](Channel& channel) { channel.agree(description(), "DistributedDataParallel", kSameModel); },
+  std::string difference;
+  quick_->run([&](Channel& c) { difference = c.disagreement(description(), "DistributedDataParallel", kSameModel); },
               issuer("DistributedDataParallel's start"));
+  if (!difference.empty()) throw UsageError(difference);
 
   // Every rank starts from rank 0's state: its parameters (frozen ones too)
   // and buffers.
@@ -298,7 +301,7 @@ Reducer::~Reducer() {
   } catch (...) {
   }
   std::lock_guard<std::mutex> lock(g_wrapped_mutex);
-  wrapped().erase(module_.get());
+  if (registered_) wrapped().erase(module_.get());
 }
 
 void Reducer::register_comm_hook(hooks::CommHookPtr hook) {

@@ -129,6 +129,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::shared_ptr<CollectiveStream> stream_;  // the buckets'
   std::shared_ptr<CollectiveStream> quick_;   // what computation waits on: buffers, the start, the replica check
   int model_ = 0;  // the group's first DDP, or a later one (model_group(): streams of its own)
+  bool registered_ = false;  // as the one DDP of its module
   hooks::CommHookPtr hook_;
   bool hook_registered_ = false;
   bool hook_agreed_ = false;  // compared across ranks, at the first averaging backward (on the stream's thread)

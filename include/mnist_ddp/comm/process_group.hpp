@@ -73,6 +73,26 @@ struct ProcessGroupOptions {
   TORCH_ARG(bool, check_collectives) = true;
 };
 
+// A collective of the program's own in flight, as c10d's Work (PyTorch's
+// async_op=True): the program computes while it travels.
+class Work {
+ public:
+  // Blocks until the collective has completed; throws its failure (an
+  // mnist_ddp::Error).
+  void wait() const;
+  bool is_completed() const;
+  // Completes with the collective's result (its tensor; allgather's
+  // stacked tensor), or with its failure.
+  FuturePtr get_future() const;
+
+  // The library's own: an incomplete type to a program.
+  struct State;
+  explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
 class ProcessGroup {
  public:
   int rank() const;
@@ -91,17 +111,37 @@ class ProcessGroup {
   // "mpirun", "mpiexec", "kubeflow", or "" for none (a world of 1).
   const std::string& launcher() const;
 
-  // Blocking collectives for the program's own use, on the stream of the
+  // Collectives for the program's own use, on the stream of the
   // collectives computation waits on (SyncBatchNorm's, DDP's buffers),
   // in order with them. Every rank must call them in the same order with
   // tensors of the same shape and dtype, on device(). A mismatch with
   // another rank's collective is a CollectiveMismatch naming both
-  // (docs/library.md).
+  // (docs/library.md). A tensor that is undefined, on another device, or
+  // (where the collective writes into it) requires grad, or a root outside
+  // the group, is a UsageError at the call. The _async forms return at
+  // once, with a Work; the tensors must stay as they are until it
+  // completes.
   void allreduce_sum(at::Tensor& tensor) const;
+  Work allreduce_sum_async(at::Tensor& tensor) const;
   void broadcast(at::Tensor& tensor, int root = 0) const;
+  Work broadcast_async(at::Tensor& tensor, int root = 0) const;
   // Every rank's `tensor`, stacked: [world_size, tensor's shape...].
   at::Tensor allgather(const at::Tensor& tensor) const;
+  Work allgather_async(const at::Tensor& tensor) const;
+  // `input` holds world_size() chunks of `output`'s size, one a rank (flat,
+  // or stacked [world_size, output's shape...]); every rank's `output`
+  // becomes the sum over the ranks of its own chunk.
+  void reduce_scatter(at::Tensor& output, const at::Tensor& input) const;
+  Work reduce_scatter_async(at::Tensor& output, const at::Tensor& input) const;
   void barrier() const;
+  Work barrier_async() const;
+
+  // Ends this rank's part in the group, as PyTorch's shutdown() does: a
+  // collective still waiting (on a peer that is gone, or will not come)
+  // fails at once with PeerLost, later ones are refused, and destroying the
+  // group (or a DDP over it) waits for nothing. For a program that caught
+  // a PeerLost or a Timeout and then returns from main() normally.
+  void shutdown() const;
 
  public:
   // The group's state, the library's own: an incomplete type to a program.
@@ -126,5 +166,13 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options = {});
 // The group the process formed first, while any handle to it lives: the one
 // SyncBatchNorm uses when nothing names another.
 std::optional<ProcessGroup> default_process_group();
+
+// A group of some of `group`'s ranks (PyTorch's new_group), with streams of
+// its own: a DDP, a SyncBatchNorm or the program's own collectives may run
+// over it. Its ranks are numbered in the order of `ranks`' sorted values.
+// Collective: every rank of `group` calls it, with the same ranks (a
+// difference is a UsageError on every rank); a rank not among them gets
+// nullopt. UsageError for ranks that repeat or fall outside the group.
+std::optional<ProcessGroup> new_group(const ProcessGroup& group, std::vector<int> ranks);
 
 }  // namespace mnist_ddp

@@ -200,11 +200,6 @@ struct PowerSgdOptions {
   TORCH_ARG(double, orthogonalization_epsilon) = 0;
   // Seeds Q's draws, identically on every rank.
   TORCH_ARG(uint64_t, random_seed) = 0;
-  // Accepted for PyTorch's sake, without effect: the library logs nothing
-  // (compression_stats() counts instead), and every bucket's P and Q
-  // already travel in one allreduce each.
-  TORCH_ARG(int64_t, compression_stats_logging_frequency) = 10000;
-  TORCH_ARG(bool, batch_tensors_with_same_shape) = false;
 };
 
 // What PowerSGD remembers between steps, by bucket index: the state a
@@ -235,7 +230,8 @@ class PowerSgdBase : public CommHook {
   std::pair<int64_t, int64_t> compression_stats() const { return {elements_before_, elements_after_}; }
 
  protected:
-  explicit PowerSgdBase(const PowerSgdOptions& options) : options_(options) {}
+  // UsageError for options PowerSGD cannot work with (a rank below 1, ...).
+  explicit PowerSgdBase(const PowerSgdOptions& options);
   virtual void compress(const GradBucket& bucket, Wire& wire) = 0;
   // A fresh seed for drawing Q, the same sequence on every rank.
   uint64_t next_seed();

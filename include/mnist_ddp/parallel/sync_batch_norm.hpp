@@ -94,17 +94,19 @@ TORCH_MODULE(SyncBatchNorm);
 // how to declare a SyncBatchNorm in its place; then nothing is changed.
 // `group`: see the header's note (nullopt: bound later).
 void convert_sync_batchnorm(torch::nn::Module& module, const std::optional<ProcessGroup>& group = std::nullopt);
+// The same through a pointer: a null one is a UsageError.
+void convert_sync_batchnorm(torch::nn::Module* module, const std::optional<ProcessGroup>& group = std::nullopt);
 
 template <typename ModuleType>
 void convert_sync_batchnorm(const std::shared_ptr<ModuleType>& module,
                             const std::optional<ProcessGroup>& group = std::nullopt) {
-  convert_sync_batchnorm(static_cast<torch::nn::Module&>(*module), group);
+  convert_sync_batchnorm(static_cast<torch::nn::Module*>(module.get()), group);
 }
 
 template <typename ModuleType>
 void convert_sync_batchnorm(const torch::nn::ModuleHolder<ModuleType>& module,
                             const std::optional<ProcessGroup>& group = std::nullopt) {
-  convert_sync_batchnorm(static_cast<torch::nn::Module&>(*module.ptr()), group);
+  convert_sync_batchnorm(module.is_empty() ? nullptr : static_cast<torch::nn::Module*>(module.ptr().get()), group);
 }
 
 }  // namespace mnist_ddp
