@@ -9,19 +9,23 @@
 #   - PyTorch's Python DDP on 2 ranks, python_ddp.py's way (BatchNorm: its
 #     SyncBatchNorm refuses CPU tensors).
 # Each figure is ms per step after 5 steps of warm-up, on the processes' own
-# clocks, so start-up is left out.
+# clocks, so start-up is left out. --against BENCH runs another build's
+# mnist_ddp_bench (an older commit's) right after this one's in every
+# round and prints its rows beside: a before/after in one run.
 #
-#   bash scripts/bench_library.sh [--steps 100] [--rounds 5]
+#   bash scripts/bench_library.sh [--steps 100] [--rounds 5] [--against BENCH]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-steps=100 rounds=5
+steps=100 rounds=5 against=""
 while [ "$#" -gt 0 ]; do
   case "$1" in
     --steps) steps="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
-    *) echo "usage: bash scripts/bench_library.sh [--steps N] [--rounds R]" >&2; exit 2 ;;
+    --against) against="$2"; shift 2 ;;
+    *) echo "usage: bash scripts/bench_library.sh [--steps N] [--rounds R] [--against BENCH]" >&2; exit 2 ;;
   esac
 done
+[ -z "$against" ] || [ -x "$against" ] || { echo "bench_library: --against $against: not an executable" >&2; exit 2; }
 bash scripts/install_deps.sh test >/dev/null  # mnist_ddp_bench is built beside the tests; PyTorch for its Python DDP
 bash scripts/fetch_data.sh fashion-mnist >/dev/null
 bash scripts/build.sh --target mnist_ddp_bench >/dev/null
@@ -36,15 +40,16 @@ trap 'rm -rf "$out"' EXIT
 for round in $(seq 1 "$rounds"); do
   echo "bench_library: round $round of $rounds" >&2
   OMP_NUM_THREADS=1 ./build/tests/mnist_ddp_bench library "$steps" >>"$out/ours"
+  [ -z "$against" ] || OMP_NUM_THREADS=1 "$against" library "$steps" | sed 's/\([a-z_]*\) /against_\1 /g' >>"$out/ours"
   if [ -n "$python" ]; then
     "$python" scripts/python_ddp.py --model resnet --steps $((steps + 5)) --warmup 5 --dataset fashion-mnist \
       >"$out/python.txt" 2>&1 || { echo "bench_library: Python DDP failed:" >&2; tail -n 5 "$out/python.txt" >&2; exit 1; }
     sed -n 's/^steps \([0-9]*\) in \([0-9.]*\) s$/\1 \2/p' "$out/python.txt" >>"$out/python"
   fi
 done
-python3 - "$out" "$steps" "$rounds" <<'EOF'
+python3 - "$out" "$steps" "$rounds" "$against" <<'EOF'
 import os, statistics, sys
-out, steps, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+out, steps, rounds, against = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 rows = {}
 for line in open(os.path.join(out, "ours")):
     words = line.split()
@@ -62,9 +67,14 @@ labels = {"floor": "the floor: 2 processes at once, each alone",
           "python_ddp": "PyTorch's Python DDP, 2 ranks, BatchNorm"}
 print(f"examples/resnet's model, batch 32 a process, 1 core a process; medians of {rounds} interleaved "
       f"round(s) of {steps} steps\n")
-print("| run | ms/step | x the floor |\n|---|---:|---:|")
+print("| run | ms/step | x the floor |" + (f" {against} ms/step | change |" if against else "") + "\n|---|---:|---:|"
+      + ("---:|---:|" if against else ""))
 for name in ["floor", "ddp_local", "ddp", "ddp_syncbn", "python_ddp"]:
     if name in rows:
         ms = statistics.median(rows[name])
-        print(f"| {labels[name]} | {ms:.1f} | {ms / floor:.2f} |")
+        line = f"| {labels[name]} | {ms:.1f} | {ms / floor:.2f} |"
+        if against and "against_" + name in rows:
+            before = statistics.median(rows["against_" + name])
+            line += f" {before:.1f} | {100 * (ms / before - 1):+.1f}% |"
+        print(line)
 EOF

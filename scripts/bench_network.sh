@@ -6,7 +6,10 @@
 # Fashion-MNIST at batch 32, PowerSGD compressing from step 10. Prints one
 # table per rate, and the targets met or not.
 #
-#   bash scripts/bench_network.sh [--rate 1gbit]... [--steps 100] [--rounds 1]
+#   bash scripts/bench_network.sh [--rate 1gbit]... [--steps 100] [--rounds 1] [--against BINARY]
+#
+# --against BINARY runs another mnist_ddp (an older build) for none and
+# powersgd_fp16 in the same rounds and prints its figures beside.
 #
 # Each figure is a slope, so start-up and the end cancel: the difference in
 # training time (summary.json's training.seconds; Python DDP's own clock)
@@ -22,15 +25,17 @@
 # namespaces cannot be made (no root, no iproute2) it says why and exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rates=() steps=100 rounds=1
+rates=() steps=100 rounds=1 against=""
 while [ "$#" -gt 0 ]; do
   case "$1" in
     --rate) rates+=("$2"); shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
-    *) echo "usage: bash scripts/bench_network.sh [--rate 1gbit]... [--steps 100] [--rounds 1]" >&2; exit 2 ;;
+    --against) against="$(realpath "$2")"; shift 2 ;;
+    *) echo "usage: bash scripts/bench_network.sh [--rate 1gbit]... [--steps 100] [--rounds 1] [--against BINARY]" >&2; exit 2 ;;
   esac
 done
+[ -z "$against" ] || [ -x "$against" ] || { echo "bench_network: --against: not an executable" >&2; exit 2; }
 [ "${#rates[@]}" -gt 0 ] || rates=(1gbit)
 [ "$steps" -ge 25 ] || { echo "bench_network: --steps $steps: at least 25, so that the slope spans 20 steps" >&2; exit 2; }
 short=$((steps / 5))
@@ -95,9 +100,10 @@ run() {
     local ns="$a" dev="$va"
     [ "$node" = 1 ] && ns="$b" dev="$vb"
     if [ "$who" != python ]; then
-      local unchecked=()
+      local unchecked=() binary=./build/mnist_ddp
       [ "$who" = unchecked ] && unchecked=(--no-check-collectives)
-      ip netns exec "$ns" taskset -c "$node" ./build/mnist_ddp --backend gloo --nnodes 2 --node-rank "$node" \
+      [ "$who" = against ] && binary="$against"
+      ip netns exec "$ns" taskset -c "$node" "$binary" --backend gloo --nnodes 2 --node-rank "$node" \
         --nproc 1 --master-addr 10.231.9.1 --master-port "$port" --dataset fashion-mnist --epochs 1 \
         --max-steps "$n" --compression "$hook" --start-powersgd-iter 10 --checkpoint-every 0 --log-interval 1000 \
         --timeout 120 --path "$out/run/$node" "${unchecked[@]}" >"$out/run/$node.txt" 2>&1 &
@@ -126,11 +132,12 @@ results="$out/results.txt"
 for round in $(seq 1 "$rounds"); do
   for rate in none "${rates[@]}"; do
     shape "$rate"
-    for who in ours unchecked python; do
+    for who in ours unchecked against python; do
       [ "$who" = python ] && [ -z "$python" ] && continue
+      [ "$who" = against ] && [ -z "$against" ] && continue
       for hook in "${hooks[@]}"; do
         [ "$who" = python ] && [ "$hook" != none ] && [ "$hook" != fp16 ] && continue
-        [ "$who" = unchecked ] && [ "$hook" != none ] && [ "$hook" != powersgd_fp16 ] && continue
+        case "$who" in unchecked | against) [ "$hook" != none ] && [ "$hook" != powersgd_fp16 ] && continue ;; esac
         say "round $round, link ${rate/none/unshaped}: $who $hook"
         read -r s1 b1 < <(run "$who" "$hook" "$short")
         read -r s2 b2 < <(run "$who" "$hook" "$steps")
@@ -140,9 +147,9 @@ for round in $(seq 1 "$rounds"); do
   done
 done
 
-python3 - "$results" "$((steps - short))" "$(git rev-parse --short HEAD 2>/dev/null || echo '?')" "${rates[@]}" <<'EOF'
+python3 - "$results" "$((steps - short))" "$(git rev-parse --short HEAD 2>/dev/null || echo '?')" "$against" "${rates[@]}" <<'EOF'
 import statistics, sys
-results, span, commit, rates = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+results, span, commit, against, rates = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
 runs = {}
 for line in open(results):
     rnd, rate, who, hook, s1, b1, s2, b2 = line.split()
@@ -208,6 +215,17 @@ for rate in ["none"] + rates:
         if on and off:
             print(f"| {rate.replace('none', 'unshaped')} | {hook} | {on:.1f} | {off:.1f} | {100 * (on / off - 1):+.1f}% |")
 print()
+if against:
+    print(f"This build against {against} (ms/step, the same rounds):\n")
+    print("| link | hook | this build | against | change |")
+    print("|---|---|---:|---:|---:|")
+    for rate in ["none"] + rates:
+        for hook in ("none", "powersgd_fp16"):
+            ours, _ = fig(rate, "ours", hook)
+            theirs, _ = fig(rate, "against", hook)
+            if ours and theirs:
+                print(f"| {rate.replace('none', 'unshaped')} | {hook} | {ours:.1f} | {theirs:.1f} | {100 * (ours / theirs - 1):+.1f}% |")
+    print()
 print("Targets (ratio: measured over its bound; met at or below the bound):")
 seen = set()
 for what, ratio, most in verdicts:
