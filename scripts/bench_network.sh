@@ -58,22 +58,11 @@ done
 [ -n "$python" ] || say "no Python with torch: Python DDP is left out"
 
 out="$(mktemp -d)"
-a="mnddp_na$$" b="mnddp_nb$$" va="nva$$" vb="nvb$$"
-cleanup() {
-  for ns in "$a" "$b"; do
-    # Only what runs in our own namespaces: what this script started.
-    for pid in $(ip netns pids "$ns" 2>/dev/null); do [ "$pid" -gt 1 ] && kill -9 "$pid" 2>/dev/null; done
-    ip netns del "$ns" 2>/dev/null || true
-  done
-  rm -rf "$out"
-}
-trap cleanup EXIT
+source scripts/netns.sh
+a="$ns_a" b="$ns_b" va="$dev_a" vb="$dev_b"
+trap 'netns_remove; rm -rf "$out"' EXIT
 trap 'exit 130' INT TERM
-if ! { ip netns add "$a" && ip netns add "$b" &&
-       ip link add "$va" netns "$a" type veth peer name "$vb" netns "$b" &&
-       ip -n "$a" addr add 10.231.9.1/24 dev "$va" && ip -n "$b" addr add 10.231.9.2/24 dev "$vb" &&
-       ip -n "$a" link set "$va" up && ip -n "$b" link set "$vb" up &&
-       ip -n "$a" link set lo up && ip -n "$b" link set lo up; } 2>"$out/netns.txt"; then
+if ! netns_make "$out"; then
   say "this machine does not allow two network namespaces and a veth pair ($(head -n 1 "$out/netns.txt")); nothing measured"
   exit 0
 fi
@@ -205,27 +194,23 @@ for rate in rates:
                 name = "unshaped" if link == "none" else link
                 verdicts.append((f"{name}: {hook} at least 1.5x Python DDP ({ours:.1f} vs {py:.1f} ms)",
                                  ours / py, 1 / 1.5))
-print("The check's cost (ms/step checked against --no-check-collectives, the same rounds):\n")
-print("| link | hook | checked ms/step | unchecked ms/step | cost |")
-print("|---|---|---:|---:|---:|")
-for rate in ["none"] + rates:
-    for hook in ("none", "powersgd_fp16"):
-        on, _ = fig(rate, "ours", hook)
-        off, _ = fig(rate, "unchecked", hook)
-        if on and off:
-            print(f"| {rate.replace('none', 'unshaped')} | {hook} | {on:.1f} | {off:.1f} | {100 * (on / off - 1):+.1f}% |")
-print()
-if against:
-    print(f"This build against {against} (ms/step, the same rounds):\n")
-    print("| link | hook | this build | against | change |")
+def beside(title, first, second, heads):
+    """none and powersgd_fp16 of `first` beside `second`, each link: ms/step and the change."""
+    print(title + "\n")
+    print(f"| link | hook | {heads[0]} | {heads[1]} | {heads[2]} |")
     print("|---|---|---:|---:|---:|")
     for rate in ["none"] + rates:
         for hook in ("none", "powersgd_fp16"):
-            ours, _ = fig(rate, "ours", hook)
-            theirs, _ = fig(rate, "against", hook)
-            if ours and theirs:
-                print(f"| {rate.replace('none', 'unshaped')} | {hook} | {ours:.1f} | {theirs:.1f} | {100 * (ours / theirs - 1):+.1f}% |")
+            a, _ = fig(rate, first, hook)
+            b, _ = fig(rate, second, hook)
+            if a and b:
+                print(f"| {rate.replace('none', 'unshaped')} | {hook} | {a:.1f} | {b:.1f} | {100 * (a / b - 1):+.1f}% |")
     print()
+beside("The check's cost (ms/step checked against --no-check-collectives, the same rounds):", "ours", "unchecked",
+       ("checked ms/step", "unchecked ms/step", "cost"))
+if against:
+    beside(f"This build against {against} (ms/step, the same rounds):", "ours", "against",
+           ("this build", "against", "change"))
 print("Targets (ratio: measured over its bound; met at or below the bound):")
 seen = set()
 for what, ratio, most in verdicts:

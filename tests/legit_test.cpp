@@ -25,6 +25,7 @@ namespace legit {  // named: a unity batch shares one anonymous namespace with t
 
 using namespace std::chrono_literals;
 using test::Ran;
+using test::step;
 
 // ---- the program ----
 
@@ -45,16 +46,6 @@ TORCH_MODULE(Synced);
 void say(const ProcessGroup& group, const std::string& line) {
   const std::string text = "legit: rank " + std::to_string(group.rank()) + ": " + line + "\n";
   if (::write(2, text.data(), text.size()) < 0) std::abort();
-}
-
-// One training step on this rank's own batch.
-template <typename Ddp>
-void step(Ddp& ddp, torch::optim::Optimizer& opt, int rank, int k) {
-  torch::manual_seed(10 * rank + k);
-  const auto x = torch::randn({8, 4}), y = torch::randn({8, 2});
-  opt.zero_grad();
-  torch::mse_loss(ddp.forward(x), y).backward();
-  opt.step();
 }
 
 void run_case(const std::string& name) {

@@ -24,9 +24,7 @@ namespace mnist_ddp {
 namespace {
 
 using namespace std::chrono_literals;
-using test::Process;
-using test::read_text;
-using test::TempDir;
+using test::step;
 
 // ---- the program ----
 
@@ -64,15 +62,6 @@ Small small_model(int64_t hidden = 8) {
   Small model(hidden);
   convert_sync_batchnorm(model);
   return model;
-}
-
-// One training step on this rank's batch.
-void step(DistributedDataParallel<Small>& ddp, torch::optim::Optimizer& opt, int rank, int k) {
-  torch::manual_seed(10 * rank + k);
-  const auto x = torch::randn({8, 4}), y = torch::randn({8, 2});
-  opt.zero_grad();
-  torch::mse_loss(ddp.forward(x), y).backward();
-  opt.step();
 }
 
 void run_case(const std::string& name) {

@@ -59,6 +59,17 @@ enum class Sums { gloo, shared_memory };
 // Runs fn(group) on `world` ranks with Gloo groups, their tensors on
 // `device`. On the CPU each rank is a thread, all over one in-memory store;
 // the first failure is rethrown. On a GPU, see run_rank_processes.
+// One training step of `ddp` on rank `rank`'s own batch number `k` (8 x 4
+// inputs, 8 x 2 targets, seeded by both), mean squared error.
+template <typename Ddp>
+void step(Ddp& ddp, torch::optim::Optimizer& opt, int rank, int k) {
+  torch::manual_seed(10 * rank + k);
+  const auto x = torch::randn({8, 4}), y = torch::randn({8, 2});
+  opt.zero_grad();
+  torch::mse_loss(ddp.forward(x), y).backward();
+  opt.step();
+}
+
 // How run_ranks() makes its ranks' groups.
 struct Ranks {
   Sums sums = Sums::gloo;
