@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "app/base/placement.hpp"
+#include "run_util.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -274,6 +275,34 @@ exec sleep 300)sh";
     for (pid_t pid : descendants)
       if (a_sleeper(pid)) kill(pid, SIGKILL);  // ours: the pid is a sleep this case started
   }
+}
+
+// A rank killed by a signal says nothing; the others, which find it gone,
+// get the second a failing rank gives them (docs/library.md) to print
+// their own lines before they are stopped.
+TEST(Launcher, RanksThatOutliveAKilledRankHaveASecondToSayWhy) {
+  const std::string program = R"sh(d=$0
+if [ "$LOCAL_RANK" = 1 ]; then
+  while [ ! -e "$d/ready.0" ]; do sleep 0.02; done
+  echo $$ > "$d/pid.tmp" && mv "$d/pid.tmp" "$d/pid.1"
+  kill -9 $$
+fi
+touch "$d/ready.0"
+while [ ! -s "$d/pid.1" ]; do sleep 0.02; done
+while kill -0 "$(cat "$d/pid.1")" 2>/dev/null; do sleep 0.02; done
+echo "rank 0: lost rank 1, which ended without a word"
+exit 1)sh";
+  TempDir dir;
+  const std::string out = dir / "output.txt";
+  Process launcher({"run", "--nproc", "2", "--", "/bin/sh", "-c", program, dir.path()}, out);
+  const int status = launcher.wait(60s);
+  ASSERT_NE(status, -1) << read_text(out);
+  const std::string text = read_text(out);
+  EXPECT_EQ(test::exit_code(status), 137) << text;
+  EXPECT_NE(text.find("rank 0: lost rank 1, which ended without a word"), std::string::npos) << text;
+  const std::string killed = std::to_string(std::atoi(read_text(dir / "pid.1").c_str()));
+  EXPECT_NE(text.find("mnist_ddp: error: worker rank 1 (pid " + killed + ") was killed by signal 9"), std::string::npos)
+      << text;
 }
 
 TEST(Launcher, WorkersAreBoundedByTheMachinesCoresAndMemory) {

@@ -150,8 +150,9 @@ Supervisor::Event Supervisor::wait(std::chrono::milliseconds timeout, std::chron
       if (info.ssi_signo != SIGCHLD) return {static_cast<int>(info.ssi_signo), std::nullopt};
     if (std::optional<Failure> failure = reap()) {
       // A child that lost its peer or the store: give the others a moment
-      // to exit with the cause. A program's failure: a moment to say theirs.
-      const bool program = !failure->report && WIFEXITED(failure->status);
+      // to exit with the cause. A program's failure, or a child killed by a
+      // signal (which reports nothing): a moment to say theirs.
+      const bool program = !failure->report;
       const auto until = std::chrono::steady_clock::now() +
                          (program ? std::min<std::chrono::milliseconds>(cause_wait, std::chrono::seconds(1)) : cause_wait);
       while ((failure->echo() || program) && any_running() && std::chrono::steady_clock::now() < until) {

@@ -86,11 +86,12 @@ class Supervisor {
   // Waits up to `timeout` (negative: without limit) for a signal to this
   // process or a child's failure, reaping children as they exit. A failure
   // that only echoes another's (WorkerError::echo) waits up to
-  // `cause_wait` for the cause from another child. A program that exited
-  // with a failing code and said nothing to us (mnist_ddp run's) gives the
-  // others up to a second to end on their own: ranks that fail together
-  // (a collective the library names on every rank, the same mistake on
-  // each) each print their own line before they are stopped.
+  // `cause_wait` for the cause from another child. A child that said
+  // nothing to us (mnist_ddp run's program that exited with a failing code,
+  // any child killed by a signal) gives the others up to a second to end
+  // on their own: ranks that fail together (a collective the library names
+  // on every rank, the same mistake on each) or outlive a killed one each
+  // print their own line before they are stopped.
   Event wait(std::chrono::milliseconds timeout,
              std::chrono::milliseconds cause_wait = std::chrono::seconds(3));
 
