@@ -3,7 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <c10/util/hash.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <chrono>
@@ -16,6 +16,7 @@
 #include "app/base/faults.hpp"
 #include "app/base/files.hpp"
 #include "comm/store.hpp"
+#include "app/launch/node_secrets.hpp"
 #include "app/launch/restart_rounds.hpp"
 #include "app/launch/supervisor.hpp"
 #include "app/train/checkpoint.hpp"
@@ -31,17 +32,6 @@ constexpr auto kGracePeriod = std::chrono::seconds(5);  // SIGTERM, then SIGKILL
 // For workers to finish their step and checkpoint it after a preemption
 // signal (Slurm's KillWait is 30 s by default, --signal=USR1@60 gives 60).
 constexpr auto kPreemptionGrace = std::chrono::seconds(60);
-// At the store's root, outside every job's prefix: node 0's salted digest
-// of its secret, and a node's word that its own differs.
-const char* const kSecretCheck = "secret/check";
-const char* const kSecretDiffers = "secret/differs";
-
-// "salt:digest" of `secret` ("salt:none" without one): what another node
-// compares its own with, which tells nobody the secret.
-std::string secret_check(const std::string& secret, const std::string& salt) {
-  return salt + ":" + (secret.empty() ? "none" : c10::sha1("mnist_ddp secret check\n" + salt + "\n" + secret).str());
-}
-
 // How long a process a worker left behind has to end after SIGTERM.
 constexpr auto kOrphanGrace = std::chrono::milliseconds(2000);
 
@@ -81,7 +71,15 @@ class Launcher {
     std::string secret;
     if (opts_.nnodes > 1) {
       std::string warning;
-      secret = env_.secret.read(&warning);
+      try {
+        secret = env_.secret.read(&warning);
+      } catch (const UsageError& e) {
+        say_no_more();
+        std::cerr << "mnist_ddp: error: " << e.what() << std::endl;
+        if (opts_.node_rank > 0)
+          tell_node_0(opts_.master_addr, opts_.master_port, secret_difference(opts_.node_rank, kUnusableSecretFile));
+        return 2;
+      }
       if (!warning.empty()) std::cerr << "mnist_ddp: warning: " << warning << std::endl;
     }
     if (const int code = open_job_store(); code >= 0) return code;
@@ -146,24 +144,6 @@ class Launcher {
     while (!path.empty() && !files::exists(path) && std::chrono::steady_clock::now() < deadline)
       if (const auto event = supervisor_.wait(std::chrono::milliseconds(50)); event.signal) return on_signal(event.signal);
     return -1;
-  }
-
-  // What node `node` says of its secret against node 0's: `how` 0, it has
-  // none; 1, node 0 has none; 2, they differ.
-  static std::string secret_difference(int node, int how) {
-    const std::string who = "node " + std::to_string(node);
-    return how == 0 ? who + " has no secret and node 0 has one"
-           : how == 1 ? who + " has a secret and node 0 has none"
-                      : who + "'s secret differs from node 0's";
-  }
-  // Whether `said` is one of those lines, of a node of this job: the key is
-  // outside every prefix, so a neighbour may have written it, and nothing
-  // else is printed or believed.
-  bool is_secret_difference(const std::string& said) const {
-    for (int node = 1; node < opts_.nnodes; ++node)
-      for (int how = 0; how < 3; ++how)
-        if (said == secret_difference(node, how)) return true;
-    return false;
   }
 
   // Whether every node has node 0's secret (store.hpp, "Note on
@@ -263,7 +243,7 @@ class Launcher {
       if (event.failure) return on_failure(*event.failure, round);
       if (opts_.nnodes > 1 && opts_.node_rank == 0 && round == 0) {
         const StoreClient client(store_, timeout(), "the store");
-        if (client.check({kSecretDiffers}) && is_secret_difference(client.get(kSecretDiffers))) {
+        if (client.check({kSecretDiffers}) && is_secret_difference(client.get(kSecretDiffers), opts_.nnodes)) {
           failure_ = client.get(kSecretDiffers);
           supervisor_.stop(SIGTERM, kGracePeriod);
           say_no_more();
