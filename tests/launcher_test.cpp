@@ -4,6 +4,8 @@
 #include <sys/prctl.h>
 
 #include <algorithm>
+#include <functional>
+#include <memory>
 #include <regex>
 #include <sstream>
 
@@ -275,6 +277,120 @@ exec sleep 300)sh";
     for (pid_t pid : descendants)
       if (a_sleeper(pid)) kill(pid, SIGKILL);  // ours: the pid is a sleep this case started
   }
+}
+
+// What a worker leaves running, five of each kind: in the background
+// (`&`), under nohup, under setsid, after a double fork (its parent has
+// exited), and as a daemon (daemon(3)). Each appends the pid of its
+// `sleep` to <dir>/pids.
+std::string leave_descendants(const std::string& dir) {
+  return "d='" + dir + "'\nfor i in 1 2 3 4 5; do\n"
+         "  sh -c 'echo $$ >> \"$0/pids\"; exec sleep 300' \"$d\" &\n"
+         "  nohup sh -c 'echo $$ >> \"$0/pids\"; exec sleep 300' \"$d\" >/dev/null 2>&1 &\n"
+         "  setsid sh -c 'echo $$ >> \"$0/pids\"; exec sleep 300' \"$d\" &\n"
+         "  ( sh -c 'echo $$ >> \"$0/pids\"; exec sleep 300' \"$d\" & )\n"
+         "  " MNIST_DDP_TEST_DAEMON " \"$d/pids\" sleep 300\n"
+         "done\n";
+}
+
+// The pids <dir>/pids holds.
+std::vector<pid_t> pids_in(const std::string& file) {
+  std::vector<pid_t> out;
+  std::istringstream pids(read_text(file));
+  for (long pid; pids >> pid;)
+    if (pid > 1) out.push_back(static_cast<pid_t>(pid));
+  return out;
+}
+
+// Where the job's processes are kept: the cgroup of `pid` when it is a
+// job's (mnist_ddp-*), else "" (the watcher's token alone).
+std::string job_cgroup_of(pid_t pid) {
+  std::istringstream lines(read_text("/proc/" + std::to_string(pid) + "/cgroup"));
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind("0::", 0) == 0 && line.find("/mnist_ddp-") != std::string::npos) return line.substr(3);
+  return "";
+}
+
+// At the end of a scope, SIGKILL to the sleeps <dir>/pids names that
+// still run (this test's own, whatever it asserted), and their reaping:
+// orphans come to this test, a subreaper meanwhile.
+class EndsWhatItStarted {
+ public:
+  explicit EndsWhatItStarted(std::string pids) : pids_(std::move(pids)) { prctl(PR_SET_CHILD_SUBREAPER, 1); }
+  ~EndsWhatItStarted() {
+    for (pid_t pid : pids_in(pids_))
+      if (a_sleeper(pid)) kill(pid, SIGKILL);
+    test::no_children_left(10s);
+    prctl(PR_SET_CHILD_SUBREAPER, 0);
+  }
+
+ private:
+  std::string pids_;
+};
+
+// SIGKILL to a launcher, which it cannot catch: its workers and the 50
+// processes they left (ten of each kind) end all the same within 5 s
+// (containment.hpp), in the job's cgroup where one can be made and by the
+// watcher's token alone (as where none can). `start` starts the launcher
+// with `env`; `training` says when the job has started.
+void expect_nothing_outlives_a_killed_launcher(
+    const std::function<std::unique_ptr<Process>(const TempDir&, const std::vector<std::string>&)>& start,
+    const std::function<bool(const TempDir&)>& training) {
+  for (const bool cgroup : {true, false}) {
+    SCOPED_TRACE(cgroup ? "a cgroup where one can be made" : "MNIST_DDP_WITHOUT_CGROUP=1");
+    TempDir dir;
+    const EndsWhatItStarted cleanup(dir / "pids");
+    auto launcher = start(dir, cgroup ? std::vector<std::string>{} : std::vector<std::string>{"MNIST_DDP_WITHOUT_CGROUP=1"});
+    ASSERT_TRUE(eventually([&] { return pids_in(dir / "pids").size() == 50 && training(dir); }, 120s))
+        << pids_in(dir / "pids").size() << " descendants\n" << read_text(dir / "output.txt");
+    const std::vector<pid_t> left = pids_in(dir / "pids"), workers = children_of(launcher->pid());
+    ASSERT_GE(workers.size(), 2u);  // the workers, and the orphans the launcher inherited
+    const std::string contained = job_cgroup_of(left.front());
+    if (cgroup)
+      std::cout << "contained " << (contained.empty() ? "by the watcher's token alone: no cgroup could be made here"
+                                                      : "in the cgroup " + contained) << std::endl;
+    else
+      EXPECT_EQ(contained, "");
+    const auto sent = std::chrono::steady_clock::now();
+    send_signal(launcher->pid(), SIGKILL);
+    ASSERT_NE(launcher->wait(5s), -1);
+    const bool gone = eventually(
+        [&] {
+          while (waitpid(-1, nullptr, WNOHANG) > 0) {
+          }
+          return std::none_of(left.begin(), left.end(), a_sleeper) &&
+                 std::none_of(workers.begin(), workers.end(), process_exists);
+        },
+        5s);
+    EXPECT_TRUE(gone) << std::count_if(left.begin(), left.end(), a_sleeper) << " of " << left.size()
+                      << " descendants outlived the launcher 5 s after its SIGKILL";
+    if (gone)
+      std::cout << "every descendant ended "
+                << std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - sent).count()
+                << " ms after the launcher's SIGKILL" << std::endl;
+    EXPECT_TRUE(test::no_children_left(10s)) << "the watcher, or an orphan, is still running";
+    for (const std::string mount : {"/sys/fs/cgroup/unified", "/sys/fs/cgroup"})
+      EXPECT_TRUE(contained.empty() || !files::exists(mount + contained)) << "the job's cgroup is left: " << mount + contained;
+  }
+}
+
+TEST(Launcher, NoDescendantOutlivesAKilledLauncherOfAProgram) {
+  expect_nothing_outlives_a_killed_launcher(
+      [](const TempDir& dir, const std::vector<std::string>& env) {
+        const std::string program = leave_descendants(dir.path()) + "touch \"$d/ready.$LOCAL_RANK\"\nexec sleep 300\n";
+        return std::make_unique<Process>(std::vector<std::string>{"run", "--nproc", "2", "--", "/bin/sh", "-c", program},
+                                         dir / "output.txt", env);
+      },
+      [](const TempDir& dir) { return files::exists(dir / "ready.0") && files::exists(dir / "ready.1"); });
+}
+
+TEST(Launcher, NoDescendantOutlivesAKilledLauncherOfItsOwnWorkers) {
+  expect_nothing_outlives_a_killed_launcher(
+      [](const TempDir& dir, std::vector<std::string> env) {
+        env.push_back("MNIST_DDP_RUN_AT_START=" + leave_descendants(dir.path()));
+        return std::make_unique<Process>(long_run(dir), dir / "output.txt", env);
+      },
+      [](const TempDir& dir) { return read_text(dir / "out/mnist_train.log").find("Train Epoch: 0 [") != std::string::npos; });
 }
 
 // A rank killed by a signal says nothing; the others, which find it gone,

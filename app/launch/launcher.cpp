@@ -16,6 +16,7 @@
 #include "app/base/faults.hpp"
 #include "app/base/files.hpp"
 #include "comm/store.hpp"
+#include "app/launch/containment.hpp"
 #include "app/launch/node_secrets.hpp"
 #include "app/launch/restart_rounds.hpp"
 #include "app/launch/supervisor.hpp"
@@ -53,8 +54,11 @@ struct Workers {
 class Launcher {
  public:
   Launcher(const Options& opts, const Placement& placement, const Environment& env, Workers workers,
-           const sigset_t& original_mask)
-      : opts_(opts), placement_(placement), env_(env), workers_(std::move(workers)), supervisor_(original_mask) {}
+           const sigset_t& original_mask, const JobContainment& job)
+      : opts_(opts), placement_(placement), env_(env), workers_(std::move(workers)), job_(job),
+        supervisor_(original_mask) {
+    supervisor_.set_cgroup(job.cgroup_procs_fd());
+  }
   ~Launcher() {
     rounds_.reset();  // holds the store too: close_store() must let go of the last reference
     close_store(store_);  // never waits on a stalled store (store.hpp)
@@ -220,6 +224,7 @@ class Launcher {
       w.device = device_of_local_rank(placement_, r);
       w.error_report_fd = supervisor_.report_fd();
       w.timeout_ms = static_cast<int>(timeout().count());  // a program's process group takes it (process_group.hpp)
+      w.job = job_.token();
       const auto env = worker_environment(w, env_.variables, static_cast<int>(std::thread::hardware_concurrency()),
                                           launched);
       supervisor_.start(r, workers_.program, argv, env);
@@ -351,6 +356,7 @@ class Launcher {
   const Placement& placement_;
   const Environment& env_;
   const Workers workers_;
+  const JobContainment& job_;
   Supervisor supervisor_;
   c10::intrusive_ptr<c10d::TCPStore> store_;
   std::string prefix_;  // of every key of the job in the store
@@ -380,8 +386,9 @@ std::unique_ptr<files::DirectoryLock> preflight(const Options& opts) {
 
 int run_launcher(const Options& opts, const Placement& placement, const Environment& env,
                  const std::vector<std::string>& argv, const sigset_t& original_mask) {
+  const JobContainment job(!faults_from(env).without_cgroup);  // first: its watcher is no child of ours
   const OrphansEnd orphans;
-  Launcher launcher(opts, placement, env, {"/proc/self/exe", argv, true}, original_mask);
+  Launcher launcher(opts, placement, env, {"/proc/self/exe", argv, true}, original_mask, job);
   return launcher.run();
 }
 
@@ -403,8 +410,10 @@ std::string find_program(const std::string& name, const Environment& env) {
 
 int run_program(const Options& opts, const Placement& placement, const Environment& env,
                 const std::vector<std::string>& program, const sigset_t& original_mask) {
+  const std::string found = find_program(program.front(), env);
+  const JobContainment job(!faults_from(env).without_cgroup);
   const OrphansEnd orphans;
-  Launcher launcher(opts, placement, env, {find_program(program.front(), env), program, false}, original_mask);
+  Launcher launcher(opts, placement, env, {found, program, false}, original_mask, job);
   return launcher.run();
 }
 

@@ -76,6 +76,10 @@ class Supervisor {
 
   // The write end of the error pipe, for the children's environment.
   int report_fd() const { return report_write_fd_; }
+  // Children started from now on join the cgroup whose cgroup.procs `fd`
+  // is open for writing (containment.hpp) before exec; -1: none. One that
+  // cannot starts all the same.
+  void set_cgroup(int procs_fd) { cgroup_procs_fd_ = procs_fd; }
 
   // Starts `program` with `argv` (argv[0] included) and `env`, as child
   // `index`. Throws std::runtime_error when fork fails.
@@ -111,6 +115,7 @@ class Supervisor {
   sigset_t child_mask_;
   int signal_fd_ = -1;
   int report_fd_ = -1, report_write_fd_ = -1;
+  int cgroup_procs_fd_ = -1;
   std::vector<Child> children_;
   std::string report_text_;                 // read from the pipe, not yet a whole line
   std::vector<WorkerError> reports_;        // each child's first report, by index (local rank)
