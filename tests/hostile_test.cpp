@@ -87,6 +87,14 @@ int error_lines(const std::string& output) {
   return n;
 }
 
+// The first line of `output` that holds "mnist_ddp: error", from there on; "" when none does.
+std::string error_line_of(const std::string& output) {
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);)
+    if (const size_t at = line.find("mnist_ddp: error"); at != std::string::npos) return line.substr(at);
+  return "";
+}
+
 // One node: the keys a neighbour knows from our source (a node's claim,
 // its worker count, the shared-memory segment, a restart's cause) are not
 // the job's, whose keys live under a prefix the launcher drew. The launcher
@@ -385,6 +393,18 @@ TEST_F(Hostile, AOneByteNeighbourDuringTheRendezvousOfTwoNodesEndsEachInOneLine)
     EXPECT_EQ(out.find("terminate called"), std::string::npos) << out;
     EXPECT_EQ(error_lines(out), 1) << out;
   }
+  // What each line says: node 0, whose store stalls, that it did not answer
+  // within --timeout; node 1 that, or that it lost node 0's store.
+  const std::string line0 = error_line_of(read_text(dir_ / "node0.txt")), line1 = error_line_of(read_text(dir_ / "node1.txt"));
+  EXPECT_NE(line0.find("store did not answer within 4 s (--timeout)"), std::string::npos) << line0;
+  const std::string store = "store at 127.0.0.1:" + port_;
+  EXPECT_TRUE(line1.find("store did not answer within 4 s (--timeout)") != std::string::npos ||
+              line1.find("lost the rendezvous " + store + " (its host stopped, or dropped the connection)") !=
+                  std::string::npos ||
+              line1.find("could not reach node 0's " + store) != std::string::npos ||
+              line1.find("lost node 0's " + store + " (its launcher stopped, or dropped the connection)") !=
+                  std::string::npos)
+      << line1;
 }
 
 // Two launchers that disagree on --nnodes: the disagreement, named at once,

@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <sstream>
+#include <system_error>
 #include <thread>
 
 #include "app/base/faults.hpp"
@@ -86,10 +87,16 @@ class Launcher {
       }
       if (!warning.empty()) std::cerr << "mnist_ddp: warning: " << warning << std::endl;
     }
-    if (const int code = open_job_store(); code >= 0) return code;
-    if (const int code = hold_for_test(); code >= 0) return code;
-    if (opts_.nnodes > 1)
-      if (const int code = compare_secrets(secret); code >= 0) return code;
+    try {
+      if (const int code = open_job_store(); code >= 0) return code;
+      if (const int code = hold_for_test(); code >= 0) return code;
+      if (opts_.nnodes > 1)
+        if (const int code = compare_secrets(secret); code >= 0) return code;
+    } catch (const std::system_error& e) {  // LibTorch's socket errors say only what the socket said
+      lost_node_0s_store(e);
+    } catch (const c10::Error& e) {
+      lost_node_0s_store(e);
+    }
     // Every key of the job under a prefix no other process can name (store.hpp,
     // "Note on neighbours"): drawn here for one node, from the secret for several.
     prefix_ = !secret.empty() ? prefix_for_secret(secret) : opts_.nnodes == 1 ? random_prefix() : "";
@@ -139,6 +146,15 @@ class Launcher {
  private:
   std::chrono::milliseconds timeout() const {
     return std::chrono::milliseconds(static_cast<int64_t>(opts_.timeout * 1000));
+  }
+
+  // A store request that failed on its socket ("Connection reset by
+  // peer"), said as what it means. Node 0's launcher hosts the store, so
+  // its own failure is passed on as it is.
+  [[noreturn]] void lost_node_0s_store(const std::exception& e) {
+    if (opts_.node_rank == 0) throw;
+    throw std::runtime_error("lost node 0's store at " + opts_.master_addr + ":" + std::to_string(opts_.master_port) +
+                             " (its launcher stopped, or dropped the connection): " + error_line(e));
   }
 
   // Faults::hold_workers_until. Returns -1, or the exit code of a signal.
