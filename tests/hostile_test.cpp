@@ -123,6 +123,9 @@ TEST_F(Hostile, ANeighbourOnTheStoreCannotSteerAJobOnOneNode) {
   EXPECT_EQ(code, 0) << output;
   EXPECT_EQ(error_lines(output), 0) << output;
   EXPECT_NE(output.find("mnist_ddp: the job finished after 1 restart(s)"), std::string::npos) << output;
+  // The restart names its own cause (the worker killed at step 12), never the neighbour's.
+  EXPECT_EQ(output.find("a neighbour wrote this"), std::string::npos) << output;
+  EXPECT_NE(output.find("was killed by signal 9"), std::string::npos) << output;
   const std::string log = read_text(out + "/mnist_train.log");
   EXPECT_NE(log.find("Replicas: all 2 ranks hold identical parameters"), std::string::npos) << log;
   EXPECT_EQ(log.find("over 1 rank(s)"), std::string::npos) << log;
