@@ -4,6 +4,7 @@
 #include <sys/prctl.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <regex>
@@ -235,18 +236,34 @@ bool a_sleeper(pid_t pid) {
          cmdline.rfind("sleep", 0) == 0;
 }
 
+// The process group and the session of process `pid` (from /proc); -1s when it is gone.
+std::pair<long, long> group_and_session(pid_t pid) {
+  const std::string stat = read_text("/proc/" + std::to_string(pid) + "/stat");
+  const size_t after = stat.rfind(')');
+  long ppid = -1, group = -1, session = -1;
+  char state = 0;
+  if (after == std::string::npos ||
+      std::sscanf(stat.c_str() + after + 1, " %c %ld %ld %ld", &state, &ppid, &group, &session) != 4)
+    return {-1, -1};
+  return {group, session};
+}
+
 // Each of the two programs under `mnist_ddp run` starts a background
-// process in its own process group and one under setsid, then ends as the
-// case says: every such descendant ends with the launcher, whichever way
-// it ends (README: no process outlives the launcher).
+// process (`&`: it stays in the program's process group, since a shell
+// that is not interactive does no job control) and one under setsid (a
+// session and process group of its own), then ends as the case says:
+// every such descendant ends with the launcher, whichever way it ends
+// (README: no process outlives the launcher).
 TEST(Launcher, NoDescendantOutlivesTheLauncher) {
-  // $0 is the folder; each rank writes its descendants' pids, then ready.<rank>.
+  // $0 is the folder; each rank writes its own pid, its descendants' (bg.<rank>, sid.<rank>), then ready.<rank>,
+  // and ends as the case says once the test has looked at them (go).
   const std::string program = R"sh(d=$0; mode=$1
-sh -c 'echo $$ >> "$0/pids.$1"; exec sleep 300' "$d" "$LOCAL_RANK" &
-setsid sh -c 'echo $$ >> "$0/pids.$1"; exec sleep 300' "$d" "$LOCAL_RANK" &
-while [ "$(cat "$d/pids.$LOCAL_RANK" 2>/dev/null | wc -l)" -lt 2 ]; do sleep 0.05; done
+echo $$ > "$d/worker.$LOCAL_RANK"
+sh -c 'echo $$ > "$0/bg.$1"; exec sleep 300' "$d" "$LOCAL_RANK" &
+setsid sh -c 'echo $$ > "$0/sid.$1"; exec sleep 300' "$d" "$LOCAL_RANK" &
+while [ ! -s "$d/bg.$LOCAL_RANK" ] || [ ! -s "$d/sid.$LOCAL_RANK" ]; do sleep 0.05; done
 touch "$d/ready.$LOCAL_RANK"
-while [ ! -e "$d/ready.0" ] || [ ! -e "$d/ready.1" ]; do sleep 0.05; done
+while [ ! -e "$d/go" ]; do sleep 0.05; done
 case "$mode$LOCAL_RANK" in ok*) exit 0;; fail0) exit 3;; esac
 exec sleep 300)sh";
   struct Case {
@@ -261,17 +278,24 @@ exec sleep 300)sh";
     Process launcher({"run", "--nproc", "2", "--", "/bin/sh", "-c", program, dir.path(), c.name}, out);
     ASSERT_TRUE(eventually([&] { return files::exists(dir / "ready.0") && files::exists(dir / "ready.1"); }, 30s))
         << read_text(out);
+    std::vector<pid_t> descendants;
+    for (const std::string rank : {"0", "1"}) {
+      const pid_t worker = std::atoi(read_text(dir / ("worker." + rank)).c_str());
+      const pid_t background = std::atoi(read_text(dir / ("bg." + rank)).c_str());
+      const pid_t setsid = std::atoi(read_text(dir / ("sid." + rank)).c_str());
+      ASSERT_GT(worker, 1);
+      ASSERT_GT(background, 1);
+      ASSERT_GT(setsid, 1);
+      descendants.insert(descendants.end(), {background, setsid});
+      // What the comment above says: `&` stays in the worker's process group, setsid leaves it.
+      EXPECT_EQ(group_and_session(background).first, group_and_session(worker).first);
+      EXPECT_EQ(group_and_session(setsid), std::make_pair(long{setsid}, long{setsid}));
+    }
+    test::write_file(dir / "go", "", false);
     if (c.signal) send_signal(launcher.pid(), c.signal, /*group=*/c.signal == SIGINT);
     const int status = launcher.wait(30s);
     ASSERT_NE(status, -1) << read_text(out);
     EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), c.code) << read_text(out);
-    std::vector<pid_t> descendants;
-    for (const char* rank : {"0", "1"}) {
-      std::istringstream pids(read_text(dir / ("pids." + std::string(rank))));
-      for (long pid; pids >> pid;)
-        if (pid > 1) descendants.push_back(static_cast<pid_t>(pid));
-    }
-    EXPECT_EQ(descendants.size(), 4u);
     EXPECT_TRUE(eventually([&] { return std::none_of(descendants.begin(), descendants.end(), a_sleeper); }, 3s))
         << "a descendant outlived the launcher";
     for (pid_t pid : descendants)
