@@ -87,6 +87,14 @@ int error_lines(const std::string& output) {
   return n;
 }
 
+// The first line of `output` that holds "mnist_ddp: error", from there on; "" when none does.
+std::string error_line_of(const std::string& output) {
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);)
+    if (const size_t at = line.find("mnist_ddp: error"); at != std::string::npos) return line.substr(at);
+  return "";
+}
+
 // One node: the keys a neighbour knows from our source (a node's claim,
 // its worker count, the shared-memory segment, a restart's cause) are not
 // the job's, whose keys live under a prefix the launcher drew. The launcher
@@ -115,6 +123,9 @@ TEST_F(Hostile, ANeighbourOnTheStoreCannotSteerAJobOnOneNode) {
   EXPECT_EQ(code, 0) << output;
   EXPECT_EQ(error_lines(output), 0) << output;
   EXPECT_NE(output.find("mnist_ddp: the job finished after 1 restart(s)"), std::string::npos) << output;
+  // The restart names its own cause (the worker killed at step 12), never the neighbour's.
+  EXPECT_EQ(output.find("a neighbour wrote this"), std::string::npos) << output;
+  EXPECT_NE(output.find("was killed by signal 9"), std::string::npos) << output;
   const std::string log = read_text(out + "/mnist_train.log");
   EXPECT_NE(log.find("Replicas: all 2 ranks hold identical parameters"), std::string::npos) << log;
   EXPECT_EQ(log.find("over 1 rank(s)"), std::string::npos) << log;
@@ -310,6 +321,62 @@ TEST_F(Hostile, ASecretThatCannotBeReadOrDiffersIsOneLine) {
   }
 }
 
+// Issue 48: a secret file that cannot be used, in the environment every
+// rank gets (torchrun passes one to all), or on one node only (a path that
+// node 0's machine has and node 1's lacks): every rank and every node ends
+// at once in one line, none waiting out --timeout for a store that is gone
+// or a node that left.
+TEST_F(Hostile, ASecretFileThatCannotBeUsedEndsEveryRankAndNodeAtOnce) {
+  const std::string missing = "MNIST_DDP_SECRET_FILE=" + (dir_ / "no-such-file");
+  const std::string refusal = "MNIST_DDP_SECRET_FILE=" + (dir_ / "no-such-file") + ": No such file or directory";
+  const auto at_once = 10s;  // --timeout 30; about 1 s each here
+  // Ranks as torchrun starts them; rank 1 once rank 0 has ended, so it
+  // finds no store at all.
+  for (const int r : {0, 1}) {
+    const std::string name = "rank" + std::to_string(r) + ".txt";
+    const auto start = std::chrono::steady_clock::now();
+    Process rank({"--backend", "gloo", "--data-dir", dir_ / "data", "--path", dir_ / "out", "--epochs", "1", "--timeout", "30"},
+                 dir_ / name,
+                 {missing, "RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r), "WORLD_SIZE=2",
+                  "LOCAL_WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port_});
+    const int code = exit_code(rank.wait(60s));
+    const std::string out = read_text(dir_ / name);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, at_once) << out;
+    EXPECT_EQ(code, 2) << out;
+    EXPECT_EQ(error_lines(out), 1) << out;
+    EXPECT_NE(out.find("mnist_ddp: error: rank " + std::to_string(r) + ": " + refusal), std::string::npos) << out;
+  }
+  // Two nodes, the file there on node 0's machine only: node 1 refuses, and
+  // node 0, whose worker waits for node 1's, is told so and ends too.
+  test::write_file(dir_ / "secret", "ours\n", false);
+  chmod((dir_ / "secret").c_str(), 0600);
+  const auto start = std::chrono::steady_clock::now();
+  Process node0(node_of_two(0, {"--epochs", "1", "--timeout", "30"}), dir_ / "node0.txt",
+                {"MNIST_DDP_SECRET_FILE=" + (dir_ / "secret")});
+  ASSERT_TRUE(eventually(
+      [&] {
+        const int fd = test::connect_to_port(std::stoi(port_));  // node 0's store is up
+        if (fd >= 0) close(fd);
+        return fd >= 0;
+      },
+      30s))
+      << read_text(dir_ / "node0.txt");
+  Process node1(node_of_two(1, {"--epochs", "1", "--timeout", "30"}), dir_ / "node1.txt", {missing});
+  const int code1 = exit_code(node1.wait(60s)), code0 = exit_code(node0.wait(60s));
+  const std::string out0 = read_text(dir_ / "node0.txt"), out1 = read_text(dir_ / "node1.txt");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, at_once) << out0 << out1;
+  EXPECT_EQ(code1, 2) << out1;
+  EXPECT_EQ(error_lines(out1), 1) << out1;
+  EXPECT_NE(out1.find("mnist_ddp: error: " + refusal), std::string::npos) << out1;
+  EXPECT_EQ(code0, 2) << out0;
+  EXPECT_EQ(error_lines(out0), 1) << out0;
+  EXPECT_NE(out0.find("mnist_ddp: error: node 1 cannot use its MNIST_DDP_SECRET_FILE (missing, empty, unreadable or a "
+                      "directory there): give every node the same MNIST_DDP_SECRET or MNIST_DDP_SECRET_FILE"),
+            std::string::npos)
+      << out0;
+  EXPECT_EQ(out0.find("never joined"), std::string::npos) << out0;
+}
+
 // Issue 43: a neighbour opens the store's port and sends one byte while two
 // nodes meet. The store stalls; each node ends in one line and a non-zero
 // exit, never an abort.
@@ -329,6 +396,18 @@ TEST_F(Hostile, AOneByteNeighbourDuringTheRendezvousOfTwoNodesEndsEachInOneLine)
     EXPECT_EQ(out.find("terminate called"), std::string::npos) << out;
     EXPECT_EQ(error_lines(out), 1) << out;
   }
+  // What each line says: node 0, whose store stalls, that it did not answer
+  // within --timeout; node 1 that, or that it lost node 0's store.
+  const std::string line0 = error_line_of(read_text(dir_ / "node0.txt")), line1 = error_line_of(read_text(dir_ / "node1.txt"));
+  EXPECT_NE(line0.find("store did not answer within 4 s (--timeout)"), std::string::npos) << line0;
+  const std::string store = "store at 127.0.0.1:" + port_;
+  EXPECT_TRUE(line1.find("store did not answer within 4 s (--timeout)") != std::string::npos ||
+              line1.find("lost the rendezvous " + store + " (its host stopped, or dropped the connection)") !=
+                  std::string::npos ||
+              line1.find("could not reach node 0's " + store) != std::string::npos ||
+              line1.find("lost node 0's " + store + " (its launcher stopped, or dropped the connection)") !=
+                  std::string::npos)
+      << line1;
 }
 
 // Two launchers that disagree on --nnodes: the disagreement, named at once,

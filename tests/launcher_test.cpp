@@ -4,10 +4,14 @@
 #include <sys/prctl.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <memory>
 #include <regex>
 #include <sstream>
 
 #include "app/base/placement.hpp"
+#include "run_util.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -232,18 +236,34 @@ bool a_sleeper(pid_t pid) {
          cmdline.rfind("sleep", 0) == 0;
 }
 
+// The process group and the session of process `pid` (from /proc); -1s when it is gone.
+std::pair<long, long> group_and_session(pid_t pid) {
+  const std::string stat = read_text("/proc/" + std::to_string(pid) + "/stat");
+  const size_t after = stat.rfind(')');
+  long ppid = -1, group = -1, session = -1;
+  char state = 0;
+  if (after == std::string::npos ||
+      std::sscanf(stat.c_str() + after + 1, " %c %ld %ld %ld", &state, &ppid, &group, &session) != 4)
+    return {-1, -1};
+  return {group, session};
+}
+
 // Each of the two programs under `mnist_ddp run` starts a background
-// process in its own process group and one under setsid, then ends as the
-// case says: every such descendant ends with the launcher, whichever way
-// it ends (README: no process outlives the launcher).
+// process (`&`: it stays in the program's process group, since a shell
+// that is not interactive does no job control) and one under setsid (a
+// session and process group of its own), then ends as the case says:
+// every such descendant ends with the launcher, whichever way it ends
+// (README: no process outlives the launcher).
 TEST(Launcher, NoDescendantOutlivesTheLauncher) {
-  // $0 is the folder; each rank writes its descendants' pids, then ready.<rank>.
+  // $0 is the folder; each rank writes its own pid, its descendants' (bg.<rank>, sid.<rank>), then ready.<rank>,
+  // and ends as the case says once the test has looked at them (go).
   const std::string program = R"sh(d=$0; mode=$1
-sh -c 'echo $$ >> "$0/pids.$1"; exec sleep 300' "$d" "$LOCAL_RANK" &
-setsid sh -c 'echo $$ >> "$0/pids.$1"; exec sleep 300' "$d" "$LOCAL_RANK" &
-while [ "$(cat "$d/pids.$LOCAL_RANK" 2>/dev/null | wc -l)" -lt 2 ]; do sleep 0.05; done
+echo $$ > "$d/worker.$LOCAL_RANK"
+sh -c 'echo $$ > "$0/bg.$1"; exec sleep 300' "$d" "$LOCAL_RANK" &
+setsid sh -c 'echo $$ > "$0/sid.$1"; exec sleep 300' "$d" "$LOCAL_RANK" &
+while [ ! -s "$d/bg.$LOCAL_RANK" ] || [ ! -s "$d/sid.$LOCAL_RANK" ]; do sleep 0.05; done
 touch "$d/ready.$LOCAL_RANK"
-while [ ! -e "$d/ready.0" ] || [ ! -e "$d/ready.1" ]; do sleep 0.05; done
+while [ ! -e "$d/go" ]; do sleep 0.05; done
 case "$mode$LOCAL_RANK" in ok*) exit 0;; fail0) exit 3;; esac
 exec sleep 300)sh";
   struct Case {
@@ -258,22 +278,171 @@ exec sleep 300)sh";
     Process launcher({"run", "--nproc", "2", "--", "/bin/sh", "-c", program, dir.path(), c.name}, out);
     ASSERT_TRUE(eventually([&] { return files::exists(dir / "ready.0") && files::exists(dir / "ready.1"); }, 30s))
         << read_text(out);
+    std::vector<pid_t> descendants;
+    for (const std::string rank : {"0", "1"}) {
+      const pid_t worker = std::atoi(read_text(dir / ("worker." + rank)).c_str());
+      const pid_t background = std::atoi(read_text(dir / ("bg." + rank)).c_str());
+      const pid_t setsid = std::atoi(read_text(dir / ("sid." + rank)).c_str());
+      ASSERT_GT(worker, 1);
+      ASSERT_GT(background, 1);
+      ASSERT_GT(setsid, 1);
+      descendants.insert(descendants.end(), {background, setsid});
+      // What the comment above says: `&` stays in the worker's process group, setsid leaves it.
+      EXPECT_EQ(group_and_session(background).first, group_and_session(worker).first);
+      EXPECT_EQ(group_and_session(setsid), std::make_pair(long{setsid}, long{setsid}));
+    }
+    test::write_file(dir / "go", "", false);
     if (c.signal) send_signal(launcher.pid(), c.signal, /*group=*/c.signal == SIGINT);
     const int status = launcher.wait(30s);
     ASSERT_NE(status, -1) << read_text(out);
     EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), c.code) << read_text(out);
-    std::vector<pid_t> descendants;
-    for (const char* rank : {"0", "1"}) {
-      std::istringstream pids(read_text(dir / ("pids." + std::string(rank))));
-      for (long pid; pids >> pid;)
-        if (pid > 1) descendants.push_back(static_cast<pid_t>(pid));
-    }
-    EXPECT_EQ(descendants.size(), 4u);
     EXPECT_TRUE(eventually([&] { return std::none_of(descendants.begin(), descendants.end(), a_sleeper); }, 3s))
         << "a descendant outlived the launcher";
     for (pid_t pid : descendants)
       if (a_sleeper(pid)) kill(pid, SIGKILL);  // ours: the pid is a sleep this case started
   }
+}
+
+// What a worker leaves running, five of each kind: in the background
+// (`&`), under nohup, under setsid, after a double fork (its parent has
+// exited), and as a daemon (daemon(3)). Each appends the pid of its
+// `sleep` to <dir>/pids.
+std::string leave_descendants(const std::string& dir) {
+  return "d='" + dir + "'\nfor i in 1 2 3 4 5; do\n"
+         "  sh -c 'echo $$ >> \"$0/pids\"; exec sleep 300' \"$d\" &\n"
+         "  nohup sh -c 'echo $$ >> \"$0/pids\"; exec sleep 300' \"$d\" >/dev/null 2>&1 &\n"
+         "  setsid sh -c 'echo $$ >> \"$0/pids\"; exec sleep 300' \"$d\" &\n"
+         "  ( sh -c 'echo $$ >> \"$0/pids\"; exec sleep 300' \"$d\" & )\n"
+         "  " MNIST_DDP_TEST_DAEMON " \"$d/pids\" sleep 300\n"
+         "done\n";
+}
+
+// The pids <dir>/pids holds.
+std::vector<pid_t> pids_in(const std::string& file) {
+  std::vector<pid_t> out;
+  std::istringstream pids(read_text(file));
+  for (long pid; pids >> pid;)
+    if (pid > 1) out.push_back(static_cast<pid_t>(pid));
+  return out;
+}
+
+// Where the job's processes are kept: the cgroup of `pid` when it is a
+// job's (mnist_ddp-*), else "" (the watcher's token alone).
+std::string job_cgroup_of(pid_t pid) {
+  std::istringstream lines(read_text("/proc/" + std::to_string(pid) + "/cgroup"));
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind("0::", 0) == 0 && line.find("/mnist_ddp-") != std::string::npos) return line.substr(3);
+  return "";
+}
+
+// At the end of a scope, SIGKILL to the sleeps <dir>/pids names that
+// still run (this test's own, whatever it asserted), and their reaping:
+// orphans come to this test, a subreaper meanwhile.
+class EndsWhatItStarted {
+ public:
+  explicit EndsWhatItStarted(std::string pids) : pids_(std::move(pids)) { prctl(PR_SET_CHILD_SUBREAPER, 1); }
+  ~EndsWhatItStarted() {
+    for (pid_t pid : pids_in(pids_))
+      if (a_sleeper(pid)) kill(pid, SIGKILL);
+    test::no_children_left(10s);
+    prctl(PR_SET_CHILD_SUBREAPER, 0);
+  }
+
+ private:
+  std::string pids_;
+};
+
+// SIGKILL to a launcher, which it cannot catch: its workers and the 50
+// processes they left (ten of each kind) end all the same within 5 s
+// (containment.hpp), in the job's cgroup where one can be made and by the
+// watcher's token alone (as where none can). `start` starts the launcher
+// with `env`; `training` says when the job has started.
+void expect_nothing_outlives_a_killed_launcher(
+    const std::function<std::unique_ptr<Process>(const TempDir&, const std::vector<std::string>&)>& start,
+    const std::function<bool(const TempDir&)>& training) {
+  for (const bool cgroup : {true, false}) {
+    SCOPED_TRACE(cgroup ? "a cgroup where one can be made" : "MNIST_DDP_WITHOUT_CGROUP=1");
+    TempDir dir;
+    const EndsWhatItStarted cleanup(dir / "pids");
+    auto launcher = start(dir, cgroup ? std::vector<std::string>{} : std::vector<std::string>{"MNIST_DDP_WITHOUT_CGROUP=1"});
+    ASSERT_TRUE(eventually([&] { return pids_in(dir / "pids").size() == 50 && training(dir); }, 120s))
+        << pids_in(dir / "pids").size() << " descendants\n" << read_text(dir / "output.txt");
+    const std::vector<pid_t> left = pids_in(dir / "pids"), workers = children_of(launcher->pid());
+    ASSERT_GE(workers.size(), 2u);  // the workers, and the orphans the launcher inherited
+    const std::string contained = job_cgroup_of(left.front());
+    if (cgroup)
+      std::cout << "contained " << (contained.empty() ? "by the watcher's token alone: no cgroup could be made here"
+                                                      : "in the cgroup " + contained) << std::endl;
+    else
+      EXPECT_EQ(contained, "");
+    const auto sent = std::chrono::steady_clock::now();
+    send_signal(launcher->pid(), SIGKILL);
+    ASSERT_NE(launcher->wait(5s), -1);
+    const bool gone = eventually(
+        [&] {
+          while (waitpid(-1, nullptr, WNOHANG) > 0) {
+          }
+          return std::none_of(left.begin(), left.end(), a_sleeper) &&
+                 std::none_of(workers.begin(), workers.end(), process_exists);
+        },
+        5s);
+    EXPECT_TRUE(gone) << std::count_if(left.begin(), left.end(), a_sleeper) << " of " << left.size()
+                      << " descendants outlived the launcher 5 s after its SIGKILL";
+    if (gone)
+      std::cout << "every descendant ended "
+                << std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - sent).count()
+                << " ms after the launcher's SIGKILL" << std::endl;
+    EXPECT_TRUE(test::no_children_left(10s)) << "the watcher, or an orphan, is still running";
+    for (const std::string mount : {"/sys/fs/cgroup/unified", "/sys/fs/cgroup"})
+      EXPECT_TRUE(contained.empty() || !files::exists(mount + contained)) << "the job's cgroup is left: " << mount + contained;
+  }
+}
+
+TEST(Launcher, NoDescendantOutlivesAKilledLauncherOfAProgram) {
+  expect_nothing_outlives_a_killed_launcher(
+      [](const TempDir& dir, const std::vector<std::string>& env) {
+        const std::string program = leave_descendants(dir.path()) + "touch \"$d/ready.$LOCAL_RANK\"\nexec sleep 300\n";
+        return std::make_unique<Process>(std::vector<std::string>{"run", "--nproc", "2", "--", "/bin/sh", "-c", program},
+                                         dir / "output.txt", env);
+      },
+      [](const TempDir& dir) { return files::exists(dir / "ready.0") && files::exists(dir / "ready.1"); });
+}
+
+TEST(Launcher, NoDescendantOutlivesAKilledLauncherOfItsOwnWorkers) {
+  expect_nothing_outlives_a_killed_launcher(
+      [](const TempDir& dir, std::vector<std::string> env) {
+        env.push_back("MNIST_DDP_RUN_AT_START=" + leave_descendants(dir.path()));
+        return std::make_unique<Process>(long_run(dir), dir / "output.txt", env);
+      },
+      [](const TempDir& dir) { return read_text(dir / "out/mnist_train.log").find("Train Epoch: 0 [") != std::string::npos; });
+}
+
+// A rank killed by a signal says nothing; the others, which find it gone,
+// get the second a failing rank gives them (docs/library.md) to print
+// their own lines before they are stopped.
+TEST(Launcher, RanksThatOutliveAKilledRankHaveASecondToSayWhy) {
+  const std::string program = R"sh(d=$0
+if [ "$LOCAL_RANK" = 1 ]; then
+  while [ ! -e "$d/ready.0" ]; do sleep 0.02; done
+  echo $$ > "$d/pid.tmp" && mv "$d/pid.tmp" "$d/pid.1"
+  kill -9 $$
+fi
+touch "$d/ready.0"
+while [ ! -s "$d/pid.1" ]; do sleep 0.02; done
+while kill -0 "$(cat "$d/pid.1")" 2>/dev/null; do sleep 0.02; done
+echo "rank 0: lost rank 1, which ended without a word"
+exit 1)sh";
+  TempDir dir;
+  const std::string out = dir / "output.txt";
+  Process launcher({"run", "--nproc", "2", "--", "/bin/sh", "-c", program, dir.path()}, out);
+  const int status = launcher.wait(60s);
+  ASSERT_NE(status, -1) << read_text(out);
+  const std::string text = read_text(out);
+  EXPECT_EQ(test::exit_code(status), 137) << text;
+  EXPECT_NE(text.find("rank 0: lost rank 1, which ended without a word"), std::string::npos) << text;
+  const std::string killed = std::to_string(std::atoi(read_text(dir / "pid.1").c_str()));
+  EXPECT_NE(text.find("mnist_ddp: error: worker rank 1 (pid " + killed + ") was killed by signal 9"), std::string::npos)
+      << text;
 }
 
 TEST(Launcher, WorkersAreBoundedByTheMachinesCoresAndMemory) {

@@ -109,6 +109,63 @@ TEST(Options, BadValuesNameTheFlagAndWhatIsAllowed) {
   }
 }
 
+// Issue 48: an integer past what its flag holds is refused in one line,
+// never clamped (CLI11 would make a seed 2^64-1 and a step count 2^63-1);
+// the largest value is taken as given, and the text is read as decimal.
+TEST(Options, EveryIntegerFlagRefusesWhatItCannotHold) {
+  const std::string huge = "99999999999999999999";
+  const std::vector<std::pair<std::string, std::string>> flags = {
+      {"--batch-size", "2147483647"},       {"--test-batch-size", "2147483647"},   {"--epochs", "2147483647"},
+      {"--workers", "2147483647"},          {"--log-interval", "2147483647"},      {"--gpus", "2147483647"},
+      {"--nproc", "2147483647"},            {"--nnodes", "2147483647"},            {"--max-restarts", "2147483647"},
+      {"--checkpoint-every", "2147483647"}, {"--accumulate", "1024"},              {"--seed", "18446744073709551615"},
+      {"--powersgd-seed", "18446744073709551615"}, {"--max-steps", "9223372036854775807"},
+      {"--checkpoint-steps", "9223372036854775807"}, {"--powersgd-rank", "9223372036854775807"},
+      {"--start-powersgd-iter", "9223372036854775807"}, {"--node-rank", "2147483647"}};
+  for (const auto& [flag, largest] : flags) {
+    SCOPED_TRACE(flag);
+    for (const std::string& value : {huge, "-" + huge, largest + "0"}) {
+      const std::string msg = usage_error({flag, value});
+      EXPECT_EQ(msg.rfind(flag + ": must be ", 0), 0u) << msg;
+      EXPECT_NE(msg.find("got '" + value + "'"), std::string::npos) << msg;
+      EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    }
+    // The next integer up: refused, saying how far the flag goes.
+    std::string next = largest;
+    for (size_t i = next.size(); i-- > 0;) {
+      if (next[i] != '9') {
+        ++next[i];
+        break;
+      }
+      next[i] = '0';
+      if (i == 0) next.insert(0, "1");
+    }
+    EXPECT_NE(usage_error({flag, next}).find(largest), std::string::npos) << usage_error({flag, next});
+    if (flag != "--node-rank") {  // below --nnodes
+      EXPECT_EQ(usage_error({flag, largest}), "(accepted)");
+    }
+  }
+  const Options o = parse({"--seed", "18446744073709551615", "--max-steps", "9223372036854775807",
+                           "--powersgd-seed", "010", "--checkpoint-steps", "+7", "--epochs", "010"});
+  EXPECT_EQ(o.seed, 18446744073709551615u);
+  EXPECT_EQ(o.max_steps, 9223372036854775807);
+  EXPECT_EQ(o.powersgd.random_seed(), 10u);  // decimal, as argparse's int() reads it: not octal
+  EXPECT_EQ(o.checkpoint_steps, 7);
+  EXPECT_EQ(o.epochs, 10);
+  for (const std::string value : {"1.5", "0x10", "1e3", "+-3", " 5", ""})
+    EXPECT_NE(usage_error({"--max-steps", value}).find("--max-steps: must be an integer >= 0, got '" + value + "'"),
+              std::string::npos)
+        << usage_error({"--max-steps", value});
+  // mnist_ddp run's flags too.
+  const std::vector<std::string> run = {"mnist_ddp", "run", "--nproc", huge, "--", "true"};
+  try {
+    parse_run_command(run, Environment{});
+    ADD_FAILURE() << "run --nproc " << huge << " was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()), "run: --nproc: must be a positive integer up to 2147483647, got '" + huge + "'");
+  }
+}
+
 TEST(Options, PowerSgdKnobs) {
   const Options d = parse({});
   EXPECT_EQ(d.powersgd.matrix_approximation_rank(), 2);

@@ -241,15 +241,39 @@ case "$case_name" in
   subdirectory)
     # A project that pulls the checkout in with add_subdirectory gets
     # mnist_ddp::ddp and nothing else: no application, tests or examples to
-    # build, nothing to install. Configured only: the build is the library's.
+    # build, nothing to install. Its program, built against it, runs as one
+    # job of two ranks under the installed launcher, whose gradients DDP
+    # averages: both ranks print the same sum.
     mkdir -p "$tmp/parent"
     printf '%s\n' "cmake_minimum_required(VERSION 3.18)" "project(parent LANGUAGES CXX)" \
       "add_subdirectory(\"$src\" mnist_ddp)" "add_executable(train train.cpp)" \
       "target_link_libraries(train PRIVATE mnist_ddp::ddp)" >"$tmp/parent/CMakeLists.txt"
-    printf '#include <mnist_ddp/ddp.hpp>\nint main() { return mnist_ddp::init_process_group().rank(); }\n' \
-      >"$tmp/parent/train.cpp"
+    cat >"$tmp/parent/train.cpp" <<'EOF'
+#include <mnist_ddp/ddp.hpp>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <iostream>
+
+// One step of a linear model, each rank on data of its own: DDP averages the gradients.
+int main() try {
+  auto group = mnist_ddp::init_process_group();
+  torch::manual_seed(0);
+  auto model = std::make_shared<torch::nn::LinearImpl>(4, 1);
+  mnist_ddp::DistributedDataParallel ddp(model, group);
+  torch::manual_seed(1 + group.rank());
+  ddp.forward(torch::randn({8, 4})).sum().backward();
+  std::cout << "train: rank " << group.rank() << " of " << group.world_size() << ", gradient sum "
+            << model->weight.grad().sum().item<double>() << std::endl;
+  return 0;
+} catch (const std::exception& e) {
+  std::cerr << "train: " << mnist_ddp::error_line(e) << std::endl;
+  std::_Exit(1);
+}
+EOF
     command -v ninja >/dev/null || skip "no ninja to list the parent project's targets (ninja-build)"
-    run cmake -S "$tmp/parent" -B "$tmp/parent-build" -G Ninja "-DTorch_DIR=$torch_dir"
+    # Unoptimised, as the examples are built: parsing torch.h is the cost.
+    run cmake -S "$tmp/parent" -B "$tmp/parent-build" -G Ninja -DCMAKE_BUILD_TYPE=None "-DTorch_DIR=$torch_dir"
     [ "$rc" = 0 ] || fail "configuring a project that adds the checkout as a subdirectory: $out"
     targets="$(ninja -C "$tmp/parent-build" -t targets all 2>&1)"
     grep -q 'libmnist_ddp\.a' <<<"$targets" || fail "no mnist_ddp library to build in the parent project: $targets"
@@ -257,7 +281,15 @@ case "$case_name" in
       ! grep -q "$unwanted" <<<"$targets" || fail "the parent project would build $unwanted: $(grep "$unwanted" <<<"$targets")"
     done
     ! grep -q '^install' <<<"$targets" || fail "the parent project installs mnist_ddp's files"
-    echo "a parent project gets mnist_ddp::ddp alone"
+    run cmake --build "$tmp/parent-build" -j "$(nproc)"
+    [ "$rc" = 0 ] || fail "building the parent project's program with mnist_ddp::ddp: $out"
+    run "$mnist_ddp" run --nproc 2 -- "$tmp/parent-build/train"
+    [ "$rc" = 0 ] || fail "the parent project's program under mnist_ddp run --nproc 2: rc $rc: $out"
+    lines="$(grep -E '^train: rank [01] of 2, gradient sum ' <<<"$out" | sort)" || true
+    [ "$(grep -c . <<<"$lines")" = 2 ] || fail "expected a line from each of two ranks: $out"
+    [ "$(sed 's/^train: rank [01] //' <<<"$lines" | sort -u | wc -l)" = 1 ] || fail "the ranks' gradients differ: $out"
+    echo "a parent project gets mnist_ddp::ddp alone, and its program trains on 2 ranks:"
+    echo "$lines"
     ;;
 
   *) echo "package_test.sh: unknown case $case_name" >&2; exit 2 ;;

@@ -6,16 +6,17 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <charconv>
 #include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <iostream>
+#include <limits>
 #include <sstream>
 
 namespace mnist_ddp {
 namespace {
-
-constexpr double kLargest = DBL_MAX;
 
 // Validators whose messages say what is allowed. CLI11 prefixes the flag name.
 // Every number must be finite and at most `max`: "inf" or "1e17" seconds
@@ -33,18 +34,37 @@ CLI::Validator number(double min, bool min_allowed, double max, const std::strin
       what);
 }
 
-CLI::Validator at_least(double min, const std::string& what) { return number(min, true, kLargest, what); }
-CLI::Validator positive(const std::string& what) { return number(0, false, kLargest, what); }
-
-// Seeds are unsigned: CLI11 would take "-1" as 2^64 - 1.
-CLI::Validator seed() {
+// An integer flag of type T from `min` up to `max` (T's largest unless
+// given): decimal digits, a sign allowed, as argparse's int() reads them.
+// Past T's range is refused: CLI11 would clamp it (2^64-1 for a seed,
+// 2^63-1 for a step count). The text becomes the number's plain form,
+// which CLI11 then converts ("010" is 10, not octal 8): a transform, as
+// CLI11 calls a validator that changes the text.
+template <typename T>
+CLI::Validator integer(T min, const std::string& what, T max = std::numeric_limits<T>::max(),
+                       const std::string& bound = "up to " + std::to_string(std::numeric_limits<T>::max())) {
   return CLI::Validator(
-      [](std::string& s) -> std::string {
-        if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos)
-          return "must be an integer in 0..18446744073709551615, got '" + s + "'";
+      [=](std::string& s) -> std::string {
+        std::string text = s;
+        if (text.size() > 1 && text[0] == '+' && text[1] != '-') text.erase(0, 1);
+        T value{};
+        const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+        const bool whole = !text.empty() && end == text.data() + text.size();
+        const bool too_large = whole && ((error == std::errc::result_out_of_range && text[0] != '-') ||
+                                         (error == std::errc() && value > max));
+        if (too_large) return "must be " + what + (bound.empty() ? "" : " " + bound) + ", got '" + s + "'";
+        if (!whole || error != std::errc() || value < min) return "must be " + what + ", got '" + s + "'";
+        s = std::to_string(value);
         return "";
       },
-      "0..2^64-1");
+      what);
+}
+CLI::Validator positive_int(const std::string& what = "a positive integer") { return integer<int>(1, what); }
+CLI::Validator counting_int(const std::string& what = "an integer >= 0") { return integer<int>(0, what); }
+// Seeds are unsigned: "-1" is refused, not taken as 2^64 - 1.
+CLI::Validator seed() {
+  return integer<std::uint64_t>(0, "an integer in 0..18446744073709551615", std::numeric_limits<std::uint64_t>::max(), "")
+      .description("0..2^64-1");
 }
 
 // Text that reads back as written: a path that holds a newline cannot be
@@ -98,16 +118,16 @@ void add_launch_flags(CLI::App& app, Options& o) {
                  "puts two workers on one GPU over Gloo")
       ->delimiter(',')
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
-      ->check(at_least(0, "a device id >= 0"));
+      ->transform(counting_int("a device id >= 0"));
   app.add_option("--backend", o.backend,
                  "Process group backend: nccl on CUDA, gloo on CPU or for workers sharing a GPU (auto: nccl when a "
                  "GPU is visible and no --gpus id repeats)")
       ->check(one_of({"auto", "nccl", "gloo"}));
-  app.add_option("--nproc", o.nproc, "Worker processes when training on CPU")->check(positive("a positive integer"));
+  app.add_option("--nproc", o.nproc, "Worker processes when training on CPU")->transform(positive_int());
   app.add_option("--nnodes", o.nnodes, "Machines in the job, each running mnist_ddp with its own --node-rank")
-      ->check(positive("a positive integer"));
+      ->transform(positive_int());
   app.add_option("--node-rank", o.node_rank, "This machine's place among the --nnodes (node 0 hosts the store)")
-      ->check(at_least(0, "an integer >= 0"));
+      ->transform(counting_int());
   app.add_option("--master-addr", o.master_addr, "Address of node 0, which hosts the store (or $MASTER_ADDR)");
   app.add_option("--master-port", o.master_port,
                  "Port of the store (or $MASTER_PORT); 0 picks a free one on a single node; 29500 for several")
@@ -127,7 +147,7 @@ void add_launch_flags(CLI::App& app, Options& o) {
 
 void add_max_restarts(CLI::App& app, Options& o, const std::string& how) {
   app.add_option("--max-restarts", o.max_restarts, "After a worker fails, " + how + ", at most this many times")
-      ->check(at_least(0, "an integer >= 0"));
+      ->transform(counting_int());
 }
 
 // What the environment stands in for, and what the flags must agree on.
@@ -194,11 +214,10 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
       "mnist_ddp"};
   set_defaults(app);
 
-  app.add_option("--batch-size", o.batch_size, "Training images per process and step")
-      ->check(positive("a positive integer"));
+  app.add_option("--batch-size", o.batch_size, "Training images per process and step")->transform(positive_int());
   app.add_option("--test-batch-size", o.test_batch_size, "Evaluation images per process and batch")
-      ->check(positive("a positive integer"));
-  app.add_option("--epochs", o.epochs, "Passes over the training set")->check(positive("a positive integer"));
+      ->transform(positive_int());
+  app.add_option("--epochs", o.epochs, "Passes over the training set")->transform(positive_int());
   // The optimizer's numbers meet float32 tensors: at most float32's largest.
   app.add_option("--lr", o.lr, "Initial learning rate (cosine-annealed to 0 over --epochs)")
       ->check(number(0, false, FLT_MAX, "a positive number", "up to 3.4e38"));
@@ -208,10 +227,10 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
   app.add_option("--workers", o.workers,
                  "Ignored, so the reference's command lines run: batches are sliced from data held in memory, "
                  "with no loader processes")
-      ->check(at_least(0, "an integer >= 0"));
+      ->transform(counting_int());
   app.add_option("--compression", o.compression, "Gradient communication hook")->check(one_of(kAllCompressions));
   app.add_option("--log-interval,--log_interval", o.log_interval, "Batches between two training log lines")
-      ->check(positive("a positive integer"));
+      ->transform(positive_int());
   app.add_option("--path", o.path, "Directory for the log file, the best model and checkpoints")
       ->check(printable("a path without newlines or other control characters"));
 
@@ -220,15 +239,15 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
   app.add_option("--data-dir", o.data_dir, "Directory holding MNIST/raw or FashionMNIST/raw")
       ->check(printable("a path without newlines or other control characters"));
   app.add_option("--dataset", o.dataset, "Dataset to train on")->check(one_of({"mnist", "fashion-mnist"}));
-  app.add_option("--seed", o.seed, "Seed of model init, data order and dropout")->check(seed());
+  app.add_option("--seed", o.seed, "Seed of model init, data order and dropout")->transform(seed());
   app.add_option("--max-steps", o.max_steps, "Stop after this many training steps in total (0: no limit)")
-      ->check(at_least(0, "an integer >= 0"));
+      ->transform(integer<std::int64_t>(0, "an integer >= 0"));
   app.add_option("--checkpoint-every", o.checkpoint_every,
                  "Epochs between checkpoints into <path>/checkpoint (0: none); also written when --max-steps stops")
-      ->check(at_least(0, "an integer >= 0"));
+      ->transform(counting_int());
   app.add_option("--checkpoint-steps", o.checkpoint_steps,
                  "Also checkpoint every this many training steps (0: by epoch only)")
-      ->check(at_least(0, "an integer >= 0"));
+      ->transform(integer<std::int64_t>(0, "an integer >= 0"));
   add_max_restarts(app, o, "restart the workers of every node from the newest checkpoint");
   app.add_option("--resume", o.resume,
                  "Continue from a checkpoint directory; 'auto': <path>/checkpoint when it holds one; 'never' (the "
@@ -240,7 +259,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
       ->check(one_of({"none", "bf16", "fp16"}));
   app.add_option("--accumulate", o.accumulate,
                  "Micro-batches of --batch-size whose gradients each optimizer step sums, communicating on the last")
-      ->check(number(1, true, 1024, "an integer from 1 up to 1024"));
+      ->transform(integer<int>(1, "an integer from 1 up to 1024", 1024, ""));
   app.add_option("--bucket-cap-mb", o.bucket_cap_mb, "A gradient bucket closes once it holds this many MB (the first at 1 MB, or this if less)")
       ->check(number(0, false, 1 << 20, "a positive number of MB up to 1048576"));
   bool no_check = false;
@@ -248,9 +267,10 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
                "Issue collectives without checking them against every rank's (to measure what the check costs)");
 
   auto& ps = o.powersgd;
-  app.add_option("--powersgd-rank", ps.matrix_approximation_rank(), "PowerSGD matrix approximation rank")->check(positive("a positive integer"));
+  app.add_option("--powersgd-rank", ps.matrix_approximation_rank(), "PowerSGD matrix approximation rank")
+      ->transform(integer<std::int64_t>(1, "a positive integer"));
   app.add_option("--start-powersgd-iter", ps.start_powersgd_iter(), "Steps of plain allreduce before PowerSGD starts")
-      ->check(at_least(0, "an integer >= 0"));
+      ->transform(integer<std::int64_t>(0, "an integer >= 0"));
   app.add_option("--min-compression-rate", ps.min_compression_rate(),
                  "PowerSGD compresses a matrix only when it saves at least this factor")
       ->check(number(0, false, FLT_MAX, "a positive number", "up to 3.4e38"));
@@ -260,7 +280,7 @@ std::optional<Options> parse_options(int argc, const char* const* argv, const En
   app.add_option("--orthogonalization-epsilon", ps.orthogonalization_epsilon(),
                  "PowerSGD: added to column norms when orthogonalising")
       ->check(number(0, true, FLT_MAX, "a number >= 0", "up to 3.4e38"));
-  app.add_option("--powersgd-seed", ps.random_seed(), "PowerSGD: seed of Q's initial draws")->check(seed());
+  app.add_option("--powersgd-seed", ps.random_seed(), "PowerSGD: seed of Q's initial draws")->transform(seed());
 
   try {
     app.parse(argc, argv);

@@ -3,7 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <c10/util/hash.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <chrono>
@@ -11,11 +11,14 @@
 #include <memory>
 #include <optional>
 #include <sstream>
+#include <system_error>
 #include <thread>
 
 #include "app/base/faults.hpp"
 #include "app/base/files.hpp"
 #include "comm/store.hpp"
+#include "app/launch/containment.hpp"
+#include "app/launch/node_secrets.hpp"
 #include "app/launch/restart_rounds.hpp"
 #include "app/launch/supervisor.hpp"
 #include "app/train/checkpoint.hpp"
@@ -31,17 +34,6 @@ constexpr auto kGracePeriod = std::chrono::seconds(5);  // SIGTERM, then SIGKILL
 // For workers to finish their step and checkpoint it after a preemption
 // signal (Slurm's KillWait is 30 s by default, --signal=USR1@60 gives 60).
 constexpr auto kPreemptionGrace = std::chrono::seconds(60);
-// At the store's root, outside every job's prefix: node 0's salted digest
-// of its secret, and a node's word that its own differs.
-const char* const kSecretCheck = "secret/check";
-const char* const kSecretDiffers = "secret/differs";
-
-// "salt:digest" of `secret` ("salt:none" without one): what another node
-// compares its own with, which tells nobody the secret.
-std::string secret_check(const std::string& secret, const std::string& salt) {
-  return salt + ":" + (secret.empty() ? "none" : c10::sha1("mnist_ddp secret check\n" + salt + "\n" + secret).str());
-}
-
 // How long a process a worker left behind has to end after SIGTERM.
 constexpr auto kOrphanGrace = std::chrono::milliseconds(2000);
 
@@ -63,8 +55,11 @@ struct Workers {
 class Launcher {
  public:
   Launcher(const Options& opts, const Placement& placement, const Environment& env, Workers workers,
-           const sigset_t& original_mask)
-      : opts_(opts), placement_(placement), env_(env), workers_(std::move(workers)), supervisor_(original_mask) {}
+           const sigset_t& original_mask, const JobContainment& job)
+      : opts_(opts), placement_(placement), env_(env), workers_(std::move(workers)), job_(job),
+        supervisor_(original_mask) {
+    supervisor_.set_cgroup(job.cgroup_procs_fd());
+  }
   ~Launcher() {
     rounds_.reset();  // holds the store too: close_store() must let go of the last reference
     close_store(store_);  // never waits on a stalled store (store.hpp)
@@ -81,13 +76,27 @@ class Launcher {
     std::string secret;
     if (opts_.nnodes > 1) {
       std::string warning;
-      secret = env_.secret.read(&warning);
+      try {
+        secret = env_.secret.read(&warning);
+      } catch (const UsageError& e) {
+        say_no_more();
+        std::cerr << "mnist_ddp: error: " << e.what() << std::endl;
+        if (opts_.node_rank > 0)
+          tell_node_0(opts_.master_addr, opts_.master_port, secret_difference(opts_.node_rank, kUnusableSecretFile));
+        return 2;
+      }
       if (!warning.empty()) std::cerr << "mnist_ddp: warning: " << warning << std::endl;
     }
-    if (const int code = open_job_store(); code >= 0) return code;
-    if (const int code = hold_for_test(); code >= 0) return code;
-    if (opts_.nnodes > 1)
-      if (const int code = compare_secrets(secret); code >= 0) return code;
+    try {
+      if (const int code = open_job_store(); code >= 0) return code;
+      if (const int code = hold_for_test(); code >= 0) return code;
+      if (opts_.nnodes > 1)
+        if (const int code = compare_secrets(secret); code >= 0) return code;
+    } catch (const std::system_error& e) {  // LibTorch's socket errors say only what the socket said
+      lost_node_0s_store(e);
+    } catch (const c10::Error& e) {
+      lost_node_0s_store(e);
+    }
     // Every key of the job under a prefix no other process can name (store.hpp,
     // "Note on neighbours"): drawn here for one node, from the secret for several.
     prefix_ = !secret.empty() ? prefix_for_secret(secret) : opts_.nnodes == 1 ? random_prefix() : "";
@@ -139,6 +148,15 @@ class Launcher {
     return std::chrono::milliseconds(static_cast<int64_t>(opts_.timeout * 1000));
   }
 
+  // A store request that failed on its socket ("Connection reset by
+  // peer"), said as what it means. Node 0's launcher hosts the store, so
+  // its own failure is passed on as it is.
+  [[noreturn]] void lost_node_0s_store(const std::exception& e) {
+    if (opts_.node_rank == 0) throw;
+    throw std::runtime_error("lost node 0's store at " + opts_.master_addr + ":" + std::to_string(opts_.master_port) +
+                             " (its launcher stopped, or dropped the connection): " + error_line(e));
+  }
+
   // Faults::hold_workers_until. Returns -1, or the exit code of a signal.
   int hold_for_test() {
     const std::string path = faults_from(env_).hold_workers_until;
@@ -146,24 +164,6 @@ class Launcher {
     while (!path.empty() && !files::exists(path) && std::chrono::steady_clock::now() < deadline)
       if (const auto event = supervisor_.wait(std::chrono::milliseconds(50)); event.signal) return on_signal(event.signal);
     return -1;
-  }
-
-  // What node `node` says of its secret against node 0's: `how` 0, it has
-  // none; 1, node 0 has none; 2, they differ.
-  static std::string secret_difference(int node, int how) {
-    const std::string who = "node " + std::to_string(node);
-    return how == 0 ? who + " has no secret and node 0 has one"
-           : how == 1 ? who + " has a secret and node 0 has none"
-                      : who + "'s secret differs from node 0's";
-  }
-  // Whether `said` is one of those lines, of a node of this job: the key is
-  // outside every prefix, so a neighbour may have written it, and nothing
-  // else is printed or believed.
-  bool is_secret_difference(const std::string& said) const {
-    for (int node = 1; node < opts_.nnodes; ++node)
-      for (int how = 0; how < 3; ++how)
-        if (said == secret_difference(node, how)) return true;
-    return false;
   }
 
   // Whether every node has node 0's secret (store.hpp, "Note on
@@ -240,6 +240,7 @@ class Launcher {
       w.device = device_of_local_rank(placement_, r);
       w.error_report_fd = supervisor_.report_fd();
       w.timeout_ms = static_cast<int>(timeout().count());  // a program's process group takes it (process_group.hpp)
+      w.job = job_.token();
       const auto env = worker_environment(w, env_.variables, static_cast<int>(std::thread::hardware_concurrency()),
                                           launched);
       supervisor_.start(r, workers_.program, argv, env);
@@ -263,7 +264,7 @@ class Launcher {
       if (event.failure) return on_failure(*event.failure, round);
       if (opts_.nnodes > 1 && opts_.node_rank == 0 && round == 0) {
         const StoreClient client(store_, timeout(), "the store");
-        if (client.check({kSecretDiffers}) && is_secret_difference(client.get(kSecretDiffers))) {
+        if (client.check({kSecretDiffers}) && is_secret_difference(client.get(kSecretDiffers), opts_.nnodes)) {
           failure_ = client.get(kSecretDiffers);
           supervisor_.stop(SIGTERM, kGracePeriod);
           say_no_more();
@@ -371,6 +372,7 @@ class Launcher {
   const Placement& placement_;
   const Environment& env_;
   const Workers workers_;
+  const JobContainment& job_;
   Supervisor supervisor_;
   c10::intrusive_ptr<c10d::TCPStore> store_;
   std::string prefix_;  // of every key of the job in the store
@@ -400,8 +402,9 @@ std::unique_ptr<files::DirectoryLock> preflight(const Options& opts) {
 
 int run_launcher(const Options& opts, const Placement& placement, const Environment& env,
                  const std::vector<std::string>& argv, const sigset_t& original_mask) {
+  const JobContainment job(!faults_from(env).without_cgroup);  // first: its watcher is no child of ours
   const OrphansEnd orphans;
-  Launcher launcher(opts, placement, env, {"/proc/self/exe", argv, true}, original_mask);
+  Launcher launcher(opts, placement, env, {"/proc/self/exe", argv, true}, original_mask, job);
   return launcher.run();
 }
 
@@ -423,8 +426,10 @@ std::string find_program(const std::string& name, const Environment& env) {
 
 int run_program(const Options& opts, const Placement& placement, const Environment& env,
                 const std::vector<std::string>& program, const sigset_t& original_mask) {
+  const std::string found = find_program(program.front(), env);
+  const JobContainment job(!faults_from(env).without_cgroup);
   const OrphansEnd orphans;
-  Launcher launcher(opts, placement, env, {find_program(program.front(), env), program, false}, original_mask);
+  Launcher launcher(opts, placement, env, {found, program, false}, original_mask, job);
   return launcher.run();
 }
 

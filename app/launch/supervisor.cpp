@@ -87,7 +87,7 @@ void Supervisor::start(int index, const std::string& program, const std::vector<
   argp.push_back(nullptr);
   for (auto& s : vars) envp.push_back(s.data());
   envp.push_back(nullptr);
-  const int inherit = report_write_fd_;
+  const int inherit = report_write_fd_, cgroup = cgroup_procs_fd_;
   const sigset_t mask = child_mask_;
   const pid_t parent = getpid();
   const pid_t pid = fork();
@@ -95,6 +95,9 @@ void Supervisor::start(int index, const std::string& program, const std::vector<
   if (pid == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(1);  // the supervisor died before prctl
+    if (cgroup >= 0 && write(cgroup, "0", 1) != 1) {
+      // Outside the job's cgroup: the job's token in its environment still marks it (containment.hpp).
+    }
     fcntl(inherit, F_SETFD, 0);
     sigprocmask(SIG_SETMASK, &mask, nullptr);
     execve(program.c_str(), argp.data(), envp.data());
@@ -150,8 +153,9 @@ Supervisor::Event Supervisor::wait(std::chrono::milliseconds timeout, std::chron
       if (info.ssi_signo != SIGCHLD) return {static_cast<int>(info.ssi_signo), std::nullopt};
     if (std::optional<Failure> failure = reap()) {
       // A child that lost its peer or the store: give the others a moment
-      // to exit with the cause. A program's failure: a moment to say theirs.
-      const bool program = !failure->report && WIFEXITED(failure->status);
+      // to exit with the cause. A program's failure, or a child killed by a
+      // signal (which reports nothing): a moment to say theirs.
+      const bool program = !failure->report;
       const auto until = std::chrono::steady_clock::now() +
                          (program ? std::min<std::chrono::milliseconds>(cause_wait, std::chrono::seconds(1)) : cause_wait);
       while ((failure->echo() || program) && any_running() && std::chrono::steady_clock::now() < until) {

@@ -76,6 +76,10 @@ class Supervisor {
 
   // The write end of the error pipe, for the children's environment.
   int report_fd() const { return report_write_fd_; }
+  // Children started from now on join the cgroup whose cgroup.procs `fd`
+  // is open for writing (containment.hpp) before exec; -1: none. One that
+  // cannot starts all the same.
+  void set_cgroup(int procs_fd) { cgroup_procs_fd_ = procs_fd; }
 
   // Starts `program` with `argv` (argv[0] included) and `env`, as child
   // `index`. Throws std::runtime_error when fork fails.
@@ -86,11 +90,12 @@ class Supervisor {
   // Waits up to `timeout` (negative: without limit) for a signal to this
   // process or a child's failure, reaping children as they exit. A failure
   // that only echoes another's (WorkerError::echo) waits up to
-  // `cause_wait` for the cause from another child. A program that exited
-  // with a failing code and said nothing to us (mnist_ddp run's) gives the
-  // others up to a second to end on their own: ranks that fail together
-  // (a collective the library names on every rank, the same mistake on
-  // each) each print their own line before they are stopped.
+  // `cause_wait` for the cause from another child. A child that said
+  // nothing to us (mnist_ddp run's program that exited with a failing code,
+  // any child killed by a signal) gives the others up to a second to end
+  // on their own: ranks that fail together (a collective the library names
+  // on every rank, the same mistake on each) or outlive a killed one each
+  // print their own line before they are stopped.
   Event wait(std::chrono::milliseconds timeout,
              std::chrono::milliseconds cause_wait = std::chrono::seconds(3));
 
@@ -110,6 +115,7 @@ class Supervisor {
   sigset_t child_mask_;
   int signal_fd_ = -1;
   int report_fd_ = -1, report_write_fd_ = -1;
+  int cgroup_procs_fd_ = -1;
   std::vector<Child> children_;
   std::string report_text_;                 // read from the pipe, not yet a whole line
   std::vector<WorkerError> reports_;        // each child's first report, by index (local rank)

@@ -1,5 +1,6 @@
 #include "base/environment.hpp"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>  // environ
 
@@ -32,6 +33,23 @@ const std::set<std::string> kLauncherVariables = {
     "MASTER_ADDR",   "MASTER_PORT",    "MNIST_DDP_NNODES",   "MNIST_DDP_ROUND",       "MNIST_DDP_ERROR_FD",
     "MNIST_DDP_LAUNCH_TIME", "MNIST_DDP_BACKEND", "MNIST_DDP_DEVICE", "NODE_RANK", "MNIST_DDP_STORE_PREFIX",
     "MNIST_DDP_TIMEOUT_MS"};
+
+// The job tokens of the launchers a process was started under (containment.hpp).
+constexpr char kJobVariable[] = "MNIST_DDP_JOB";
+
+// Whether `entry` ("KEY=VALUE") is MNIST_DDP_JOB with `token` among its
+// comma-separated values. Async-signal-safe.
+bool job_entry_holds(const char* entry, const char* token) {
+  const size_t name = sizeof kJobVariable - 1, length = std::strlen(token);
+  if (length == 0 || std::strncmp(entry, kJobVariable, name) != 0 || entry[name] != '=') return false;
+  for (const char* value = entry + name + 1;;) {
+    const char* end = std::strchr(value, ',');
+    const size_t size = end ? static_cast<size_t>(end - value) : std::strlen(value);
+    if (size == length && std::strncmp(value, token, length) == 0) return true;
+    if (!end) return false;
+    value = end + 1;
+  }
+}
 
 // Reads integers out of an Environment, naming the variable when one is malformed.
 class Reader {
@@ -125,6 +143,43 @@ std::string Secret::read(std::string* warning) const {
     *warning = name + " can be read by other users (mode " + mode + "): keep it readable by you alone (chmod 600)";
   }
   return secret;
+}
+
+bool process_carries_job(int pid, const char* token) {
+  if (pid <= 0) return false;
+  char path[32] = "/proc/", digits[16];
+  int n = 0;
+  for (int v = pid; v > 0 && n < 15; v /= 10) digits[n++] = static_cast<char>('0' + v % 10);
+  size_t at = std::strlen(path);
+  while (n > 0) path[at++] = digits[--n];
+  std::memcpy(path + at, "/environ", sizeof "/environ");
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  // Entry by entry ('\0'-separated), each kept up to the length a job list
+  // can have; a longer one is not ours.
+  char buffer[4096], entry[1024];
+  size_t length = 0;
+  bool too_long = false, found = false;
+  ssize_t got;
+  while (!found && (got = read(fd, buffer, sizeof buffer)) > 0) {
+    for (ssize_t i = 0; i < got && !found; ++i) {
+      if (buffer[i] != '\0') {
+        if (length + 1 < sizeof entry) entry[length++] = buffer[i];
+        else too_long = true;
+        continue;
+      }
+      entry[length] = '\0';
+      found = !too_long && job_entry_holds(entry, token);
+      length = 0;
+      too_long = false;
+    }
+  }
+  close(fd);
+  if (!found && length > 0 && !too_long) {
+    entry[length] = '\0';
+    found = job_entry_holds(entry, token);
+  }
+  return found;
 }
 
 std::string first_slurm_host(const std::string& nodelist) {
@@ -341,9 +396,14 @@ std::vector<std::string> worker_environment(const WorkerEnv& env, const std::vec
                                             double launch_time) {
   std::vector<std::string> out;
   bool threads = false;
+  std::string jobs;  // the MNIST_DDP_JOB of the jobs this launcher runs inside
   for (const std::string& kv : parent) {
     const std::string key = kv.substr(0, kv.find('='));
     if (kLauncherVariables.count(key)) continue;
+    if (key == kJobVariable) {
+      jobs = kv.substr(key.size() + 1);
+      continue;
+    }
     threads |= key == "OMP_NUM_THREADS";
     out.push_back(kv);
   }
@@ -361,6 +421,8 @@ std::vector<std::string> worker_environment(const WorkerEnv& env, const std::vec
   if (env.device >= 0) out.push_back("MNIST_DDP_DEVICE=" + std::to_string(env.device));
   if (env.error_report_fd >= 0) out.push_back("MNIST_DDP_ERROR_FD=" + std::to_string(env.error_report_fd));
   if (env.timeout_ms > 0) out.push_back("MNIST_DDP_TIMEOUT_MS=" + std::to_string(env.timeout_ms));
+  if (!jobs.empty() || !env.job.empty())
+    out.push_back(std::string(kJobVariable) + "=" + jobs + (jobs.empty() || env.job.empty() ? "" : ",") + env.job);
   if (launch_time > 0) {
     std::ostringstream time;
     time.precision(17);

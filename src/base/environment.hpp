@@ -82,6 +82,11 @@ struct WorkerEnv {
   // Set by our launcher: its --timeout, in milliseconds, which a program's
   // process group takes unless its options name another; 0: none given.
   int timeout_ms = 0;
+  // Set by our launcher: its job's token (app/launch/containment.hpp),
+  // added to the MNIST_DDP_JOB the launcher inherited (a job started inside
+  // another carries both), which whatever the worker starts inherits. Only
+  // the launcher's watcher looks for it: launched_worker() does not read it.
+  std::string job;
 
   bool ours() const { return round >= 0; }
 };
@@ -157,6 +162,13 @@ void resolve_store_address(WorkerEnv& env, const std::string& master_addr, bool 
 // of the `cores`. Pure.
 std::vector<std::string> worker_environment(const WorkerEnv& env, const std::vector<std::string>& parent, int cores,
                                             double launch_time = 0);
+
+// Whether process `pid` was started with `token` among the comma-separated
+// values of its MNIST_DDP_JOB (/proc/PID/environ: the environment it was
+// given, as it still holds it). False where that cannot be read (the
+// process has ended, or is another user's). Makes only async-signal-safe
+// calls: the launcher's watcher runs it in a forked process.
+bool process_carries_job(int pid, const char* token);
 
 // The first host of a Slurm node list: "gpu[003-005,010],cpu7" -> "gpu003".
 std::string first_slurm_host(const std::string& nodelist);

@@ -148,6 +148,11 @@ void compare_settings(const std::string& mine, int me, const std::string& theirs
 // counts agree, and name the start.
 std::pair<StorePtr, int> open_job_store(const WorkerEnv& env, std::chrono::milliseconds timeout) {
   const bool host = !env.ours() && !env.agent_store && env.rank == 0;
+  // The job's own keys live under a prefix nobody else can name (store.hpp,
+  // "Note on neighbours"): our launcher's, or one derived from the secret,
+  // read first: a bad secret file ends every rank at once, not only the
+  // store's host while the others wait for it.
+  const std::string secret = env.ours() ? "" : env.secret.read();
   StorePtr store;
   try {
     store = open_store(env.master_addr, env.master_port, host, timeout);
@@ -155,9 +160,6 @@ std::pair<StorePtr, int> open_job_store(const WorkerEnv& env, std::chrono::milli
     throw std::runtime_error("MASTER_PORT " + std::to_string(env.master_port) + " is already in use on " +
                              env.master_addr + ": export MASTER_PORT with a free port for this job");
   }
-  // The job's own keys live under a prefix nobody else can name (store.hpp,
-  // "Note on neighbours"): our launcher's, or one derived from the secret.
-  const std::string secret = env.ours() ? "" : env.secret.read();
   const std::string prefix = env.ours() ? env.store_prefix : secret.empty() ? "" : prefix_for_secret(secret);
   auto under = [&](const std::string& name) -> StorePtr {
     return c10::make_intrusive<c10d::PrefixStore>(prefix.empty() ? name : prefix + "/" + name, store);

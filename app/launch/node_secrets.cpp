@@ -1,0 +1,44 @@
+#include "app/launch/node_secrets.hpp"
+
+#include <c10/util/hash.h>
+
+#include <chrono>
+#include <exception>
+
+#include "comm/store.hpp"
+
+namespace mnist_ddp {
+
+std::string secret_check(const std::string& secret, const std::string& salt) {
+  return salt + ":" + (secret.empty() ? "none" : c10::sha1("mnist_ddp secret check\n" + salt + "\n" + secret).str());
+}
+
+std::string secret_difference(int node, int how) {
+  const std::string who = "node " + std::to_string(node);
+  return how == 0   ? who + " has no secret and node 0 has one"
+         : how == 1 ? who + " has a secret and node 0 has none"
+         : how == 2 ? who + "'s secret differs from node 0's"
+                    : who + " cannot use its MNIST_DDP_SECRET_FILE (missing, empty, unreadable or a directory there)";
+}
+
+bool is_secret_difference(const std::string& said, int nnodes) {
+  for (int node = 1; node < nnodes; ++node)
+    for (int how = 0; how <= kUnusableSecretFile; ++how)
+      if (said == secret_difference(node, how)) return true;
+  return false;
+}
+
+void tell_node_0(const std::string& addr, int port, const std::string& why) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  do {
+    try {
+      auto store = open_store(addr, port, false, std::chrono::seconds(1));
+      StoreClient(store, std::chrono::seconds(2), "node 0's store").set(kSecretDiffers, why);
+      close_store(store);
+      return;
+    } catch (const std::exception&) {
+    }
+  } while (std::chrono::steady_clock::now() < deadline);
+}
+
+}  // namespace mnist_ddp
