@@ -7,7 +7,8 @@
 #   bash tests/package_test.sh CASE SOURCE_DIR BUILD_DIR TORCH_DIR
 #
 # CASE: build (installs and builds the examples into BUILD_DIR/package; the
-# other cases use them), refuse, launchers, run-errors, by-value, subdirectory.
+# other cases use them), refuse, launchers, run-errors, by-value, warnings,
+# subdirectory.
 # Exit 0: passed; 77: skipped, the reason printed; else failed, saying what.
 # Every command is bounded in time; every port is one the kernel picked.
 set -euo pipefail
@@ -236,6 +237,47 @@ case "$case_name" in
     grep -q "takes the model by std::shared_ptr or as a TORCH_MODULE holder" "$tmp/by_value.err" ||
       fail "a model held by value is not refused in our words: $(grep -m 3 error "$tmp/by_value.err")"
     echo "a model held by value: $(grep -m 1 -o 'DistributedDataParallel takes the model[^:]*' "$tmp/by_value.err")"
+    ;;
+
+  warnings)
+    # A program that compiles with -Wall -Wextra -Werror against the
+    # installed headers (a hook of its own, every options struct, a DDP)
+    # compiles: no warning comes from the library; and a no_sync() guard
+    # dropped on the floor is a warning ([[nodiscard]]), so an error there.
+    [ -f "$examples/build.ninja" ] || fail "the examples were not configured with Ninja (ninja-build), whose flags this reads"
+    flags="$(sed -n 's/^ *\(DEFINES\|INCLUDES\|FLAGS\) = //p' "$examples/build.ninja" | head -n 3 | tr '\n' ' ')"
+    cat >"$tmp/strict.cpp" <<'CPP'
+#include <mnist_ddp/ddp.hpp>
+#include <torch/torch.h>
+
+struct Halving : mnist_ddp::hooks::CommHook {
+  std::string name() const override { return "halving"; }
+  mnist_ddp::FuturePtr run(const mnist_ddp::hooks::GradBucket& bucket, mnist_ddp::hooks::Wire& wire) override {
+    return wire.allreduce_mean(bucket.buffer());
+  }
+};
+
+int main() {
+  auto group = mnist_ddp::init_process_group(mnist_ddp::ProcessGroupOptions().check_collectives(true));
+  auto model = std::make_shared<torch::nn::LinearImpl>(4, 2);
+  mnist_ddp::DistributedDataParallel ddp(model, group, mnist_ddp::DdpOptions().static_graph(false));
+  ddp.register_comm_hook(std::make_shared<Halving>());
+  auto guard = ddp.no_sync();
+  ddp.join([] {}, mnist_ddp::JoinOptions().divide_by_initial_world_size(false));
+  return 0;
+}
+CPP
+    # shellcheck disable=SC2086  # $flags is several words
+    c++ $flags -Wall -Wextra -Werror -fsyntax-only "$tmp/strict.cpp" >"$tmp/strict.err" 2>&1 ||
+      fail "a program using the API does not compile with -Wall -Wextra -Werror: $(grep -m 3 -E 'error|warning' "$tmp/strict.err")"
+    sed 's/  auto guard = ddp.no_sync();/  ddp.no_sync();/' "$tmp/strict.cpp" >"$tmp/dropped.cpp"
+    # shellcheck disable=SC2086
+    if c++ $flags -Wall -Wextra -Werror -fsyntax-only "$tmp/dropped.cpp" >"$tmp/dropped.err" 2>&1; then
+      fail "a no_sync() guard dropped at once compiled without a warning"
+    fi
+    grep -q "nodiscard\|ignoring return value" "$tmp/dropped.err" ||
+      fail "a dropped no_sync() guard fails for another reason: $(grep -m 3 error "$tmp/dropped.err")"
+    echo "the API compiles under -Wall -Wextra -Werror; a dropped no_sync() guard does not"
     ;;
 
   subdirectory)
