@@ -40,7 +40,7 @@ trap 'rm -rf "$out"' EXIT
 for round in $(seq 1 "$rounds"); do
   echo "bench_library: round $round of $rounds" >&2
   OMP_NUM_THREADS=1 ./build/tests/mnist_ddp_bench library "$steps" >>"$out/ours"
-  [ -z "$against" ] || OMP_NUM_THREADS=1 "$against" library "$steps" | sed 's/\([a-z_]*\) /against_\1 /g' >>"$out/ours"
+  [ -z "$against" ] || OMP_NUM_THREADS=1 "$against" library "$steps" | awk '{for (i = 1; i <= NF; i += 2) $i = "against_" $i} 1' >>"$out/ours"
   if [ -n "$python" ]; then
     "$python" scripts/python_ddp.py --model resnet --steps $((steps + 5)) --warmup 5 --dataset fashion-mnist \
       >"$out/python.txt" 2>&1 || { echo "bench_library: Python DDP failed:" >&2; tail -n 5 "$out/python.txt" >&2; exit 1; }

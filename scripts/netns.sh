@@ -10,7 +10,7 @@ ns_a="mnddp_na$$" ns_b="mnddp_nb$$" dev_a="nva$$" dev_b="nvb$$"
 netns_remove() {
   local ns pid
   for ns in "$ns_a" "$ns_b"; do
-    for pid in $(ip netns pids "$ns" 2>/dev/null); do [ "$pid" -gt 1 ] && kill -9 "$pid" 2>/dev/null; done
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do [ "$pid" -gt 1 ] && kill -9 "$pid" 2>/dev/null || true; done
     ip netns del "$ns" 2>/dev/null || true
   done
 }

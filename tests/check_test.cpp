@@ -11,6 +11,7 @@
 #include <mutex>
 #include <thread>
 
+#include "comm/group.hpp"
 #include "mnist_ddp/ddp.hpp"
 #include "test_util.hpp"
 
@@ -416,6 +417,51 @@ TEST(Join, UnevenInputsOnThreeRanksEndAsOneProcessApplyingTheSameAverages) {
 // step), ranks that join early serve every P and Q of the others with
 // zeros; after join() every rank holds the last rank's parameters and
 // PowerSGD's shared state (its step count), so the next steps agree.
+// A hook of ours pays one check a bucket, its first collective's: the sizes
+// of the rest follow from it and from what the ranks agreed. A program's own
+// hook, a subclass of ours included, has every collective checked.
+TEST(CollectiveCheck, AHookOfOursIsCheckedOnceABucketAProgramsHookAtEveryCollective) {
+  struct Counter : StreamProbe {
+    std::atomic<int> collectives{0}, checks{0};
+    void issued(const std::string&) override { ++collectives; }
+    void checked() override { ++checks; }
+  };
+  struct Mine : hooks::PowerSgdHook {
+    using PowerSgdHook::PowerSgdHook;
+  };
+  for (const bool ours : {true, false}) {
+    std::vector<int> collectives(2), checks(2);
+    std::mutex mutex;
+    run_ranks(2, [&](ProcessGroup& group) {
+      torch::nn::Sequential model{nullptr};
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        torch::manual_seed(3);
+        model = torch::nn::Sequential(torch::nn::Linear(16, 16), torch::nn::ReLU(), torch::nn::Linear(16, 4));
+      }
+      DistributedDataParallel ddp(model, group);
+      const auto options = hooks::PowerSgdOptions().start_powersgd_iter(0);
+      ddp.register_comm_hook(ours ? hooks::CommHookPtr(hooks::powersgd(options))
+                                  : hooks::CommHookPtr(std::make_shared<Mine>(options)));
+      const auto x = torch::ones({4, 16}) * (group.rank() + 1);
+      ddp.forward(x).sum().backward();  // the first: the hooks' agreement
+      auto counter = std::make_shared<Counter>();
+      bulk_stream(group)->watch(counter);
+      ddp.forward(x).sum().backward();
+      bulk_stream(group)->watch(nullptr);
+      collectives[group.rank()] = counter->collectives;
+      checks[group.rank()] = counter->checks;
+    });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_GE(collectives[r], 3) << "rank " << r << ": PowerSGD's collectives over one bucket";
+      if (ours)
+        EXPECT_EQ(checks[r], 1) << "rank " << r << ", " << collectives[r] << " collectives";
+      else
+        EXPECT_EQ(checks[r], collectives[r]) << "rank " << r << ", a program's hook";
+    }
+  }
+}
+
 TEST(Join, UnevenInputsUnderPowerSgdEndWithIdenticalReplicasAndHookState) {
   constexpr int kRanks = 3;
   std::vector<std::vector<torch::Tensor>> got(kRanks);

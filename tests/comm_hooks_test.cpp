@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 #include "mnist_ddp/parallel/comm_hooks.hpp"
 #include "mnist_ddp/parallel/distributed.hpp"
 #include "app/train/model.hpp"
@@ -128,6 +131,23 @@ TEST(GroupWire, EveryRankGetsTheSumOfALargeTensor) {
     const double tolerance = type == torch::kHalf ? 1e-2 : type == torch::kBFloat16 ? 8e-2 : 1e-5;
     EXPECT_LE(max_abs_diff(got[0].to(torch::kFloat32), sum), tolerance) << type;
   }
+}
+
+// The ring's sends and receives are waited for whole: a rank that reaches
+// the sum 300 ms after the others (a checkpoint, a log line) delays it, and
+// fails nothing (a wait in 100 ms slices failed every pair of the group).
+TEST(GroupWire, ARankLateToTheRingDelaysTheSumAndFailsNothing) {
+  const int world = 2;
+  const int64_t n = 2 * kLinkPieceBytes;
+  std::vector<torch::Tensor> got(world);
+  run_ranks(world, [&](ProcessGroup& group) {
+    StreamWire wire(group);
+    auto t = torch::full({n}, group.rank() + 1.0, torch::kHalf);
+    if (group.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    wire.allreduce_sum(t)->waitAndThrow();
+    got[group.rank()] = t.clone();
+  });
+  for (int r = 0; r < world; ++r) EXPECT_TRUE(torch::equal(got[r], torch::full({n}, 3.0, torch::kHalf))) << "rank " << r;
 }
 
 TEST(Fp16, GradientsNearFloat16MaxDoNotOverflow) {

@@ -48,13 +48,8 @@ struct SmallImpl : torch::nn::Module {
 TORCH_MODULE(Small);
 
 // One line on stderr in one write: the two ranks share the file.
-void write_line(const std::string& line) {
-  const std::string text = line + "\n";
-  if (::write(2, text.data(), text.size()) < 0) std::abort();
-}
-
 void say(const ProcessGroup& group, const std::string& line) {
-  write_line("mistake: rank " + std::to_string(group.rank()) + ": " + line);
+  test::write_line("mistake: rank " + std::to_string(group.rank()) + ": " + line);
 }
 
 // The model every case but three trains, its BatchNorm made synchronous.
@@ -197,7 +192,7 @@ TEST(MistakeProgram, Run) {
   try {
     run_case(name);
   } catch (const Error& e) {
-    write_line(std::string("mistake: caught: ") + e.what());
+    test::write_line(std::string("mistake: caught: ") + e.what());
     code = 1;
   }
   _exit(code);  // after a failed collective the group's threads may still wait on a peer

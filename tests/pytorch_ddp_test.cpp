@@ -13,6 +13,7 @@
 #include <mutex>
 #include <tuple>
 
+#include "comm/group.hpp"
 #include "mnist_ddp/ddp.hpp"
 #include "test_util.hpp"
 
@@ -189,11 +190,17 @@ TEST(PyTorchDdp, ASubgroupCarriesADdpSyncBatchNormAndCollectivesOfItsOwn) {
     run_ranks(
         3,
         [&](ProcessGroup& group) {
+          auto& placed = GroupAccess::state(group);  // as one host's ranks 0 to 2
+          placed.local_rank = group.rank();
+          placed.local_world_size = 3;
           const auto sub = new_group(group, {2, 0});
           member[group.rank()] = sub.has_value();
           if (!sub) return;
           EXPECT_EQ(sub->world_size(), 2);
           EXPECT_EQ(sub->rank(), group.rank() / 2);
+          // Its local ranks are its members' on this host: 0 and 1 of 2.
+          EXPECT_EQ(sub->local_rank(), sub->rank());
+          EXPECT_EQ(sub->local_world_size(), 2);
           auto model = models[group.rank()];
           convert_sync_batchnorm(model, *sub);
           DistributedDataParallel ddp(model, *sub);
@@ -521,11 +528,6 @@ TEST(PyTorchDdp, SameLayoutAndTheDefaultGroup) {
 namespace mnist_ddp {
 namespace pytorch_behaviours {
 
-void say(const std::string& line) {
-  const std::string text = line + "\n";
-  if (::write(2, text.data(), text.size()) < 0) std::abort();
-}
-
 // Rank 1 leaves (its process ends) while rank 0 waits on it: rank 0
 // catches the PeerLost, shuts its group down and returns from its program
 // through the destructors of its DDP and group, which wait for nothing.
@@ -541,11 +543,11 @@ TEST(PyTorchDdpProgram, Run) {
       auto t = torch::zeros({1000});
       group.allreduce_sum(t);
     } catch (const PeerLost& e) {
-      say(std::string("caught: ") + e.what());
+      test::write_line(std::string("caught: ") + e.what());
     }
     group.shutdown();
   }
-  say("returned through the destructors");
+  test::write_line("returned through the destructors");
   _exit(0);
 }
 

@@ -510,6 +510,13 @@ class BusyLoops {
   std::vector<std::unique_ptr<Process>> loops_;  // each ended (SIGKILL) and reaped by its destructor
 };
 
+// `line` and a newline on stderr in one write: the lines of a program's
+// two ranks never interleave.
+inline void write_line(const std::string& line) {
+  const std::string text = line + "\n";
+  if (::write(2, text.data(), text.size()) < 0) std::abort();
+}
+
 // How a program of this test binary ended under our launcher.
 struct Ran {
   int code = -1;  // its exit code, 128 + a signal, or -1 where it did not end in time

@@ -117,7 +117,9 @@ pid_t pid_named(const char* name) {
   return static_cast<pid_t>(pid);
 }
 
-// SIGKILL to every process in the cgroup `dir` and below it.
+// SIGKILL to every process in the cgroup `dir` and below it (cgroup.kill);
+// before Linux 5.14, to those in `dir` itself only (a sub-cgroup a job made
+// keeps its processes there).
 void kill_cgroup(const char* dir) {
   char path[4096];
   if (join_path(path, sizeof path, dir, "cgroup.kill")) {

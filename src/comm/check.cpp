@@ -153,7 +153,9 @@ void Channel::mismatch(uint64_t position, const std::string& mine) {
 Channel::Outcome Channel::check(Op op, const torch::Tensor& tensor, int root, torch::Tensor* inlined) {
   Outcome out;
   out.root = root == kAuthority ? 0 : root;
-  if (world_size() == 1 || check_ == Check::off) return out;
+  if (world_size() == 1 || check_ == Check::off || follows_checked()) return out;
+  if (run_ == Run::first) run_ = Run::following;
+  if (probe) probe->checked();
   if (watch_)
     if (auto error = watch_->mismatch()) std::rethrow_exception(error);
   Described d;

@@ -33,7 +33,7 @@ Channel::~Channel() = default;
 FuturePtr Channel::allreduce_sum(torch::Tensor tensor) {
   const bool small_float = tensor.numel() <= inline_ && tensor.is_cpu() && !tensor.is_sparse() &&
                            (tensor.scalar_type() == torch::kFloat || tensor.scalar_type() == torch::kDouble);
-  if (small_float && world_size() > 1) {
+  if (small_float && world_size() > 1 && !follows_checked()) {
     issue("allreduce", tensor);
     check(Op::allreduce, tensor, 0, &tensor);
     return completed_future(tensor);
@@ -42,9 +42,9 @@ FuturePtr Channel::allreduce_sum(torch::Tensor tensor) {
   return sum_unchecked(std::move(tensor));
 }
 
-void Channel::await(const port::WorkPtr& work) {
+void Channel::await(const port::WorkPtr& work, bool whole) {
   CollectiveWatch::Wait wait;
-  for (;;) {
+  while (!whole) {
     try {
       work->wait(std::chrono::milliseconds(100));
       return;
@@ -70,7 +70,7 @@ void Channel::explained(std::exception_ptr error) {
   std::rethrow_exception(error);
 }
 
-void Channel::finish(const port::WorkPtr& work) {
+void Channel::finish(const port::WorkPtr& work, bool whole) {
   if (backend_.on_device) {  // NCCL's wait in slices would abort its communicator
     work->wait();
     return;
@@ -84,7 +84,7 @@ void Channel::finish(const port::WorkPtr& work) {
       lane.waiting = on;
     }
   } waiting(*lane_);
-  await(work);
+  await(work, whole);
 }
 
 FuturePtr Channel::sum_unchecked(torch::Tensor tensor) {
@@ -195,8 +195,8 @@ void Channel::exchange(const torch::Tensor& out, int to, torch::Tensor& in, int 
   issue("exchange", out);
   std::deque<std::pair<port::WorkPtr, port::WorkPtr>> in_flight;  // sent, received
   auto finish_oldest = [&] {
-    finish(in_flight.front().second);
-    finish(in_flight.front().first);
+    finish(in_flight.front().second, true);
+    finish(in_flight.front().first, true);
     in_flight.pop_front();
   };
   for (int64_t at = 0; at < out.numel(); at += piece) {
@@ -243,7 +243,7 @@ CollectiveStream::~CollectiveStream() {
   if (!error_) backend_.shut_down(*group_);
 }
 
-CollectiveStream::Ticket CollectiveStream::post(Task task, std::string issuer) {
+CollectiveStream::Ticket CollectiveStream::post(Task task, std::string issuer, Skipped skipped) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (const auto probe = probe_) {
     lock.unlock();
@@ -251,7 +251,13 @@ CollectiveStream::Ticket CollectiveStream::post(Task task, std::string issuer) {
     lock.lock();
   }
   const Ticket ticket = posted_++;
-  queue_.push_back(Queued{ticket, std::move(task), std::move(issuer), nullptr});
+  if (abandoned_) {  // never run: the loop may have ended
+    const auto why = abandoned_;
+    lock.unlock();
+    if (skipped) skipped(why);
+    return ticket;
+  }
+  queue_.push_back(Queued{ticket, std::move(task), std::move(issuer), std::move(skipped)});
   cv_.notify_all();
   return ticket;
 }
@@ -260,7 +266,15 @@ void CollectiveStream::wait(Ticket ticket) {
   std::unique_lock<std::mutex> lock(mutex_);
   while (!cv_.wait_for(lock, std::chrono::milliseconds(200), [&] { return finished_ > ticket || abandoned_; }))
     if (watch_)
-      if (auto mismatch = watch_->mismatch()) std::rethrow_exception(mismatch);
+      if (auto mismatch = watch_->mismatch()) {
+        // This lane's own tasks may never finish: none queued starts now
+        // (its caller, gone, may own what it would touch).
+        if (!error_) {
+          error_ = mismatch;
+          failed_ = finished_;
+        }
+        std::rethrow_exception(mismatch);
+      }
   if (abandoned_ && finished_ <= ticket) std::rethrow_exception(abandoned_);
   if (error_ && ticket >= failed_) std::rethrow_exception(error_);
 }
@@ -284,6 +298,14 @@ void CollectiveStream::abandon(std::exception_ptr why) {
 }
 
 void CollectiveStream::run(const Task& task, std::string issuer) { wait(post(task, std::move(issuer))); }
+
+std::exception_ptr CollectiveStream::explained(std::exception_ptr error) {
+  try {
+    channel_.explained(std::move(error));
+  } catch (...) {
+    return std::current_exception();
+  }
+}
 
 namespace {
 
@@ -317,9 +339,13 @@ void CollectiveStream::loop() {
       queue_.pop_front();
       skip = error_ != nullptr;
     }
-    if (skip && next.skipped) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      next.skipped(error_);
+    if (skip && next.skipped) {  // outside the lock: the future's callbacks may post
+      std::exception_ptr why;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        why = error_;
+      }
+      next.skipped(why);
     }
     if (!skip) {
       if (channel_.probe) channel_.probe->running();
@@ -354,51 +380,61 @@ std::pair<CollectiveStream::Ticket, FuturePtr> CollectiveStream::post_for(std::f
           throw;
         }
       },
-      std::move(issuer));
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& queued : queue_)
-    if (queued.ticket == ticket) queued.skipped = [future](std::exception_ptr why) { future->setErrorIfNeeded(why); };
-  if (finished_ > ticket && !future->completed())  // skipped before it was told to say so
-    future->setErrorIfNeeded(error_);
+      std::move(issuer), [future](std::exception_ptr why) { future->setErrorIfNeeded(why); });
   return {ticket, future};
 }
 
+// The conveniences' tasks hold what they touch (tensors share their
+// storage; results go through a shared cell): a wait may throw while its
+// task still runs (another lane's mismatch), and the caller's frame is gone.
 void CollectiveStream::allreduce_sum(torch::Tensor& tensor, std::string issuer) {
-  run([&](Channel& c) { c.allreduce_sum(tensor)->waitAndThrow(); }, std::move(issuer));
+  run([tensor](Channel& c) { c.allreduce_sum(tensor)->waitAndThrow(); }, std::move(issuer));
 }
 
 void CollectiveStream::broadcast(torch::Tensor& tensor, int root, std::string issuer) {
-  run([&](Channel& c) { c.broadcast(tensor, root); }, std::move(issuer));
+  run([tensor, root](Channel& c) mutable { c.broadcast(tensor, root); }, std::move(issuer));
 }
 
 std::vector<torch::Tensor> CollectiveStream::gather_to_rank0(const torch::Tensor& tensor, std::string issuer) {
-  std::vector<torch::Tensor> out;
-  run([&](Channel& c) { out = c.gather_to_rank0(tensor); }, std::move(issuer));
-  return out;
+  auto out = std::make_shared<std::vector<torch::Tensor>>();
+  run([out, tensor](Channel& c) { *out = c.gather_to_rank0(tensor); }, std::move(issuer));
+  return std::move(*out);
 }
 
 torch::Tensor CollectiveStream::allgather(const torch::Tensor& tensor, std::string issuer) {
-  torch::Tensor out;
-  run([&](Channel& c) { out = c.allgather(tensor); }, std::move(issuer));
-  return out;
+  auto out = std::make_shared<torch::Tensor>();
+  run([out, tensor](Channel& c) { *out = c.allgather(tensor); }, std::move(issuer));
+  return *out;
+}
+
+std::string CollectiveStream::disagreement(std::vector<std::pair<std::string, std::string>> items, std::string subject,
+                                           std::string advice, std::string issuer) {
+  auto out = std::make_shared<std::string>();
+  run([out, items = std::move(items), subject = std::move(subject), advice = std::move(advice)](
+          Channel& c) { *out = c.disagreement(items, subject, advice); },
+      std::move(issuer));
+  return *out;
 }
 
 void CollectiveStream::broadcast_bytes(std::vector<char>& bytes, std::string issuer) {
+  auto cell = std::make_shared<std::vector<char>>(bytes);
   run(
-      [&](Channel& c) {
+      [cell, rank = rank_](Channel& c) {
+        auto& held = *cell;
         const torch::Device where = c.staging();
-        auto size = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64).to(where);
+        auto size = torch::tensor({static_cast<int64_t>(held.size())}, torch::kInt64).to(where);
         c.broadcast(size, 0);
         const int64_t n = size.cpu().item<int64_t>();
-        auto data = rank_ == 0 ? torch::from_blob(bytes.data(), {n}, torch::kUInt8).to(where, false, /*copy=*/true)
-                               : torch::empty({n}, torch::TensorOptions(torch::kUInt8).device(where));
+        auto data = rank == 0 ? torch::from_blob(held.data(), {n}, torch::kUInt8).to(where, false, /*copy=*/true)
+                              : torch::empty({n}, torch::TensorOptions(torch::kUInt8).device(where));
         c.broadcast(data, 0);
-        if (rank_ != 0) {
+        if (rank != 0) {
           const auto cpu = data.cpu();
-          bytes.assign(static_cast<const char*>(cpu.data_ptr()), static_cast<const char*>(cpu.data_ptr()) + n);
+          held.assign(static_cast<const char*>(cpu.data_ptr()), static_cast<const char*>(cpu.data_ptr()) + n);
         }
       },
       std::move(issuer));
+  bytes = std::move(*cell);
 }
 
 void CollectiveStream::barrier(std::string issuer) {

@@ -105,6 +105,8 @@ class StreamProbe {
   virtual void running() {}  // on the communication thread, before each task
   // On the communication thread, for each collective: "allreduce Double [65]".
   virtual void issued(const std::string& collective) {}
+  // On the communication thread, for each check made (before its collective).
+  virtual void checked() {}
 };
 
 // The process group as the communication thread sees it. Only tasks of a
@@ -200,7 +202,26 @@ class Channel {
   // failed one found. A no-op otherwise.
   void settle();
 
+  // A run of collectives whose every size follows from the first's and
+  // from what the ranks have already agreed (a built-in hook over one
+  // bucket: its options compared at the first backward, the bucket's
+  // layout when the DDP was built). While one lasts, the first collective
+  // is checked and the rest, where the check goes before the transfer and
+  // every rank is active, go out unchecked: PowerSGD's dependent
+  // collectives pay one check's round trip, not one each.
+  class DeterminedRun {
+   public:
+    explicit DeterminedRun(Channel& channel) : channel_(channel) { channel_.run_ = Run::first; }
+    ~DeterminedRun() { channel_.run_ = Run::none; }
+    DeterminedRun(const DeterminedRun&) = delete;
+    DeterminedRun& operator=(const DeterminedRun&) = delete;
+
+   private:
+    Channel& channel_;
+  };
+
  private:
+  friend class CollectiveStream;  // explained(), for the futures its callers wait on
   // What a rank says of the collective it is about to issue.
   struct Described {
     Op op = Op::barrier;
@@ -238,10 +259,12 @@ class Channel {
   torch::Tensor check_tensor(const Described* mine) const;
   // Waits for `work` as a collective of this lane: a stall is the watch's to
   // judge (watch.hpp), a peer lost is said in our words (explained()).
-  void await(const port::WorkPtr& work);
+  // A send or a receive (`whole`) is waited for in one wait, not in slices:
+  // Gloo's timed wait on one fails every pair of the group when it runs out.
+  void await(const port::WorkPtr& work, bool whole = false);
   // A collective's transfer, after its check: await() where the backend
-  // allows a wait in slices, with the lane marked as waiting.
-  void finish(const port::WorkPtr& work);
+  // allows a wait, with the lane marked as waiting.
+  void finish(const port::WorkPtr& work, bool whole = false);
   [[noreturn]] void explained(std::exception_ptr error);
   FuturePtr sum_unchecked(torch::Tensor tensor);
   void broadcast_unchecked(torch::Tensor& tensor, int root);
@@ -265,6 +288,10 @@ class Channel {
   int tag_ = 0;  // point-to-point tags, the same sequence on every rank
   const int64_t inline_;  // elements of a sum the check can carry: kInline, or 0 where it never does
   int active_;            // see active_ranks()
+  enum class Run { none, first, following } run_ = Run::none;  // see DeterminedRun
+  // Whether this collective goes unchecked: it follows a checked one in a
+  // DeterminedRun, the check goes first, and no rank has joined.
+  bool follows_checked() const { return run_ == Run::following && check_ == Check::before && active_ == world_size(); }
   std::deque<std::unique_ptr<Pending>> pending_;  // Check::alongside: issued, not yet verified
 };
 
@@ -293,7 +320,10 @@ class CollectiveStream {
   // Queues `task` behind every task posted before it; never blocks on the
   // network. Any thread may post. `issuer` says who issues its collectives,
   // for the check and its messages ("SyncBatchNorm bn1's forward").
-  Ticket post(Task task, std::string issuer = "a task on the stream");
+  // `skipped` is told why where the task will not run (an earlier failure,
+  // abandon()), outside the stream's lock.
+  using Skipped = std::function<void(std::exception_ptr)>;
+  Ticket post(Task task, std::string issuer = "a task on the stream", Skipped skipped = nullptr);
   // Blocks until task `ticket` has run. Rethrows what it threw, as an
   // mnist_ddp::Error (a backend's own exception becomes a PeerLost whose
   // line says what the lane was doing, the backend's text after it). Once a
@@ -301,7 +331,7 @@ class CollectiveStream {
   // issued) and waiting on them rethrows that first failure; so does a
   // wait while another lane of this rank has found its collectives
   // mismatched (its collectives may never complete: NCCL's, checked
-  // alongside).
+  // alongside); no task of this lane that has not started runs after that.
   void wait(Ticket ticket);
   // post + wait.
   void run(const Task& task, std::string issuer = "a task on the stream");
@@ -324,11 +354,19 @@ class CollectiveStream {
   torch::Tensor allgather(const torch::Tensor& tensor, std::string issuer = "a task on the stream");
   // Rank 0's `bytes` on every rank.
   void broadcast_bytes(std::vector<char>& bytes, std::string issuer = "a task on the stream");
+  // Channel::disagreement, as one task.
+  std::string disagreement(std::vector<std::pair<std::string, std::string>> items, std::string subject,
+                           std::string advice, std::string issuer);
   void barrier(std::string issuer = "a task on the stream");
 
   // Hands every later post, task and collective to `probe` (nullptr: none).
   // In order with the tasks: a task posted before it runs unwatched.
   void watch(std::shared_ptr<StreamProbe> probe);
+
+ // `error`, from a transfer of this lane's that its caller waited for
+  // itself (a bucket's future), as the lane's own wait says it: another
+  // lane's mismatch, a rank that ended first (uneven inputs), or `error`.
+  std::exception_ptr explained(std::exception_ptr error);
 
  private:
   void loop();
@@ -344,7 +382,7 @@ class CollectiveStream {
     Ticket ticket;
     Task task;
     std::string issuer;
-    std::function<void(std::exception_ptr)> skipped;  // told why, where the task is not run
+    Skipped skipped;  // told why, where the task is not run
   };
   std::mutex mutex_;
   std::condition_variable cv_;

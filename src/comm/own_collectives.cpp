@@ -136,13 +136,10 @@ std::optional<ProcessGroup> new_group(const ProcessGroup& group, std::vector<int
                      std::to_string(base.world_size - 1) + ")");
   // Every rank must ask for the same subgroup, in the same order.
   const int n = ++base.groups_made;
-  std::string difference;
-  base.quick->run(
-      [&](Channel& c) {
-        difference = c.disagreement({{"new_group " + std::to_string(n), listed}}, "new_group",
-                                    "every rank must call new_group, with the same ranks, in the same order");
-      },
-      "new_group " + std::to_string(n));
+  const std::string difference =
+      base.quick->disagreement({{"new_group " + std::to_string(n), listed}}, "new_group",
+                               "every rank must call new_group, with the same ranks, in the same order",
+                               "new_group " + std::to_string(n));
   if (!difference.empty()) throw UsageError(difference);
   const auto me = std::find(ranks.begin(), ranks.end(), base.rank);
   if (me == ranks.end()) return std::nullopt;
@@ -151,8 +148,14 @@ std::optional<ProcessGroup> new_group(const ProcessGroup& group, std::vector<int
                     base.device, base.timeout, base.shared_memory, base.gloo_address, base.check);
   state->restart = base.restart;
   state->launcher = base.launcher;
-  state->local_rank = base.local_rank;
-  state->local_world_size = std::min<int>(base.local_world_size, static_cast<int>(ranks.size()));
+  // Its local ranks: the members on this rank's node, in rank order.
+  const auto node = [&](int r) {
+    return base.node_of_rank.empty() ? r / std::max(1, base.local_world_size) : base.node_of_rank[r];
+  };
+  state->local_rank = static_cast<int>(
+      std::count_if(ranks.begin(), me, [&](int r) { return node(r) == node(base.rank); }));
+  state->local_world_size =
+      static_cast<int>(std::count_if(ranks.begin(), ranks.end(), [&](int r) { return node(r) == node(base.rank); }));
   for (int r : ranks)
     if (r < static_cast<int>(base.node_of_rank.size())) state->node_of_rank.push_back(base.node_of_rank[r]);
   return GroupAccess::make(state);

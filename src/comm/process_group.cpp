@@ -82,14 +82,16 @@ const std::string& ProcessGroup::launcher() const { return state_->launcher; }
 ProcessGroup::State::~State() {
   // A view has no watch of its own: its base says it.
   if (watch) watch->ended(!shut_down && std::uncaught_exceptions() == 0);
-  if (!shut_down) return;
-  // Shut down: a stream's thread may still wait on a peer; it and its
-  // stream are left to the process's end.
+  if (!shut_down && !(base && base->shut_down)) return;
+  // Shut down (a view: its base): a stream's thread may still wait on a
+  // peer; it and its stream are left to the process's end.
   static std::mutex mutex;
   static auto* abandoned = new std::vector<std::shared_ptr<CollectiveStream>>();
   std::lock_guard<std::mutex> lock(mutex);
   for (const auto& weak : streams)
-    if (auto stream = weak.lock()) abandoned->push_back(std::move(stream));
+    if (auto held = weak.lock()) abandoned->push_back(std::move(held));
+  for (const auto& held : {stream, quick})
+    if (held) abandoned->push_back(held);
 }
 
 const std::shared_ptr<CollectiveStream>& bulk_stream(const ProcessGroup& group) {

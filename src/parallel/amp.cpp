@@ -81,13 +81,9 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
     std::ostringstream o;
     o << "init_scale " << options_.init_scale() << ", growth_factor " << options_.growth_factor() << ", backoff_factor "
       << options_.backoff_factor() << ", growth_interval " << options_.growth_interval();
-    std::string difference;
-    quick_stream(group_)->run(
-        [&](Channel& c) {
-          difference = c.disagreement({{"options", o.str()}, {"scale", std::to_string(scale_)}}, "GradScaler",
-                                      "every rank must make its GradScaler with the same options and state");
-        },
-        "GradScaler's first step");
+    const std::string difference = quick_stream(group_)->disagreement(
+        {{"options", o.str()}, {"scale", std::to_string(scale_)}}, "GradScaler",
+        "every rank must make its GradScaler with the same options and state", "GradScaler's first step");
     if (!difference.empty()) throw UsageError(difference);
     agreed_ = true;
   }

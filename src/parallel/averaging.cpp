@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <map>
+#include <typeinfo>
 #include <unordered_set>
 
 #include "mnist_ddp/base/errors.hpp"
@@ -30,6 +31,20 @@ using detail::Reducer;
 
 void broadcast_from_authority(CollectiveStream& stream, const std::vector<torch::Tensor>& tensors,
                               const std::string& issuer);
+
+namespace {
+
+// A hook of ours, exactly (not a program's subclass): the sizes of its
+// collectives over a bucket follow from its options and the bucket, which
+// every rank has agreed (Channel::DeterminedRun).
+bool determined(const hooks::CommHook& hook) {
+  const auto& type = typeid(hook);
+  if (type == typeid(hooks::CompressWrapper)) return determined(*static_cast<const hooks::CompressWrapper&>(hook).inner());
+  return type == typeid(hooks::AllreduceHook) || type == typeid(hooks::PowerSgdHook) ||
+         type == typeid(hooks::BatchedPowerSgdHook);
+}
+
+}  // namespace
 
 void Reducer::enter_no_sync() { ++no_sync_depth_; }
 void Reducer::leave_no_sync() { --no_sync_depth_; }
@@ -297,6 +312,8 @@ void Reducer::communicate(size_t b, Channel& channel) {
   FuturePtr result;
   if (bucket.buffer().defined()) {
     hooks::GroupWire wire(channel, wire_stats_);
+    std::optional<Channel::DeterminedRun> run;
+    if (determined(*hook_)) run.emplace(channel);
     result = hook_->run(bucket, wire);
   } else {  // a sparse gradient, summed as one (the hook takes dense buckets)
     const torch::Tensor& param = bucket.parameters()[0];
@@ -327,10 +344,15 @@ void Reducer::take_averages() {
       }
       if (!averaged.is_same(bucket.buffer())) bucket.buffer().copy_(averaged);
       if (divide_by_active_ && active < world) bucket.buffer().mul_(static_cast<double>(world) / active);
-    } catch (const Error&) {
-      if (!error) error = std::current_exception();
-    } catch (const std::exception& e) {  // a backend's: in our words first, as the stream says a task's
-      if (!error) error = std::make_exception_ptr(CollectiveFailed(bucket_issuer(b) + ": a collective failed: " + error_line(e)));
+    } catch (...) {
+      if (error) continue;
+      error = stream_->explained(std::current_exception());
+      try {
+        std::rethrow_exception(error);
+      } catch (const Error&) {
+      } catch (const std::exception& e) {  // a backend's: in our words first, as the stream says a task's
+        error = std::make_exception_ptr(CollectiveFailed(bucket_issuer(b) + ": a collective failed: " + error_line(e)));
+      }
     }
   }
   if (error) std::rethrow_exception(error);

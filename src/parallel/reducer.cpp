@@ -182,9 +182,8 @@ void Reducer::init() {
 
   // Every rank wraps the same model, with the same options: compared before
   // anything of a size another rank does not expect is sent.
-  std::string difference;
-  quick_->run([&](Channel& c) { difference = c.disagreement(description(), "DistributedDataParallel", kSameModel); },
-              issuer("DistributedDataParallel's start"));
+  const std::string difference =
+      quick_->disagreement(description(), "DistributedDataParallel", kSameModel, issuer("DistributedDataParallel's start"));
   if (!difference.empty()) throw UsageError(difference);
 
   // Every rank starts from rank 0's state: its parameters (frozen ones too)
@@ -281,8 +280,10 @@ void Reducer::make_buckets(const std::vector<size_t>& order) {
 
 void Reducer::rebuild_buckets() {
   // The order of rank 0, on every rank: every rank must bucket alike.
-  auto order = torch::tensor(std::vector<int64_t>(ready_order_.begin(), ready_order_.end()), torch::kInt64);
+  auto order = torch::tensor(std::vector<int64_t>(ready_order_.begin(), ready_order_.end()), torch::kInt64)
+                   .to(quick_->device());  // NCCL's collectives take the device's tensors only
   quick_->broadcast(order, 0, issuer("DistributedDataParallel's buckets rebuilt in rank 0's order"));
+  order = order.cpu();
   std::vector<size_t> first_ready;
   for (int64_t i = 0; i < order.numel(); ++i) first_ready.push_back(static_cast<size_t>(order[i].item<int64_t>()));
   make_buckets(first_ready);
