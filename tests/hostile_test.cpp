@@ -289,7 +289,8 @@ TEST_F(Hostile, ASecretThatCannotBeReadOrDiffersIsOneLine) {
   for (const auto& [file, why] : std::vector<std::pair<std::string, std::string>>{
            {dir_ / "no-such-file", ": No such file or directory"}, {dir_ / "a-dir", " is a directory, not a file"},
            {dir_ / "empty", " is empty"}}) {
-    const int code = exit_code(Process(node(0), dir_ / "bad.txt", {"MNIST_DDP_SECRET_FILE=" + file}).wait(30s));
+    // Node 0 alone: its store tells nobody for --timeout 2, then it ends.
+    const int code = exit_code(Process(node(0, "2"), dir_ / "bad.txt", {"MNIST_DDP_SECRET_FILE=" + file}).wait(30s));
     const std::string text = read_text(dir_ / "bad.txt");
     EXPECT_EQ(code, 2) << text;
     EXPECT_EQ(error_lines(text), 1) << text;
@@ -346,10 +347,47 @@ TEST_F(Hostile, ASecretFileThatCannotBeUsedEndsEveryRankAndNodeAtOnce) {
     EXPECT_EQ(error_lines(out), 1) << out;
     EXPECT_NE(out.find("mnist_ddp: error: rank " + std::to_string(r) + ": " + refusal), std::string::npos) << out;
   }
-  // Two nodes, the file there on node 0's machine only: node 1 refuses, and
-  // node 0, whose worker waits for node 1's, is told so and ends too.
   test::write_file(dir_ / "secret", "ours\n", false);
   chmod((dir_ / "secret").c_str(), 0600);
+  // Three ranks started by hand (srun, a pod each), rank 1's file missing:
+  // it tells the store rank 0 hosts, and ranks 0 and 2 end too, naming it.
+  {
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<std::unique_ptr<Process>> ranks;
+    for (const int r : {0, 1, 2}) {
+      ranks.push_back(std::make_unique<Process>(
+          std::vector<std::string>{"--backend", "gloo", "--data-dir", dir_ / "data", "--path", dir_ / "three",
+                                   "--epochs", "1", "--timeout", "30"},
+          dir_ / ("three" + std::to_string(r) + ".txt"),
+          std::vector<std::string>{r == 1 ? missing : "MNIST_DDP_SECRET_FILE=" + (dir_ / "secret"),
+                                   "RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r), "WORLD_SIZE=3",
+                                   "LOCAL_WORLD_SIZE=3", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port_}));
+      if (r == 0) {  // its store up first, as the others would find it
+        ASSERT_TRUE(eventually(
+            [&] {
+              const int fd = test::connect_to_port(std::stoi(port_));
+              if (fd >= 0) close(fd);
+              return fd >= 0;
+            },
+            30s));
+      }
+    }
+    for (const int r : {0, 1, 2}) {
+      const int code = exit_code(ranks[r]->wait(60s));
+      const std::string out = read_text(dir_ / ("three" + std::to_string(r) + ".txt"));
+      EXPECT_LT(std::chrono::steady_clock::now() - start, at_once) << out;
+      EXPECT_EQ(code, 2) << out;
+      EXPECT_EQ(error_lines(out), 1) << out;
+      EXPECT_NE(out.find(r == 1 ? "mnist_ddp: error: rank 1: " + refusal
+                                : "mnist_ddp: error: rank " + std::to_string(r) +
+                                      ": rank 1 cannot use its MNIST_DDP_SECRET_FILE (missing, empty, unreadable or "
+                                      "a directory there): give every rank the same file"),
+                std::string::npos)
+          << out;
+    }
+  }
+  // Two nodes, the file there on node 0's machine only: node 1 refuses, and
+  // node 0, whose worker waits for node 1's, is told so and ends too.
   const auto start = std::chrono::steady_clock::now();
   Process node0(node_of_two(0, {"--epochs", "1", "--timeout", "30"}), dir_ / "node0.txt",
                 {"MNIST_DDP_SECRET_FILE=" + (dir_ / "secret")});
@@ -375,6 +413,26 @@ TEST_F(Hostile, ASecretFileThatCannotBeUsedEndsEveryRankAndNodeAtOnce) {
             std::string::npos)
       << out0;
   EXPECT_EQ(out0.find("never joined"), std::string::npos) << out0;
+
+  // The file there on node 1's machine only: node 0 refuses, and its store
+  // stays up to tell node 1, which ends too, then node 0.
+  const auto again = std::chrono::steady_clock::now();
+  Process refusing(node_of_two(0, {"--epochs", "1", "--timeout", "30"}), dir_ / "node0-bad.txt", {missing});
+  Process told(node_of_two(1, {"--epochs", "1", "--timeout", "30"}), dir_ / "node1-told.txt",
+               {"MNIST_DDP_SECRET_FILE=" + (dir_ / "secret")});
+  const int told_code = exit_code(told.wait(60s)), refusing_code = exit_code(refusing.wait(60s));
+  const std::string bad = read_text(dir_ / "node0-bad.txt"), said = read_text(dir_ / "node1-told.txt");
+  EXPECT_LT(std::chrono::steady_clock::now() - again, at_once) << bad << said;
+  EXPECT_EQ(refusing_code, 2) << bad;
+  EXPECT_EQ(error_lines(bad), 1) << bad;
+  EXPECT_NE(bad.find("mnist_ddp: error: " + refusal), std::string::npos) << bad;
+  EXPECT_EQ(told_code, 2) << said;
+  EXPECT_EQ(error_lines(said), 1) << said;
+  EXPECT_NE(said.find("mnist_ddp: error: node 0 cannot use its MNIST_DDP_SECRET_FILE (missing, empty, unreadable or "
+                      "a directory there): give every node the same file"),
+            std::string::npos)
+      << said;
+  EXPECT_EQ(said.find("could not reach"), std::string::npos) << said;
 }
 
 // Issue 43: a neighbour opens the store's port and sends one byte while two

@@ -83,6 +83,8 @@ class Launcher {
         std::cerr << "mnist_ddp: error: " << e.what() << std::endl;
         if (opts_.node_rank > 0)
           tell_node_0(opts_.master_addr, opts_.master_port, secret_difference(opts_.node_rank, kUnusableSecretFile));
+        else
+          tell_the_nodes();
         return 2;
       }
       if (!warning.empty()) std::cerr << "mnist_ddp: warning: " << warning << std::endl;
@@ -166,6 +168,24 @@ class Launcher {
     return -1;
   }
 
+  // Node 0 cannot use its secret file: its store stays up saying so, until
+  // every other node has ended over the secret, --timeout passes or a
+  // signal comes, so that no node waits --timeout for a store that never
+  // opens. A store that cannot open (the port taken) tells nobody.
+  void tell_the_nodes() {
+    try {
+      store_ = open_store(opts_.master_addr, opts_.master_port, true, timeout());
+      const StoreClient client(store_, timeout(), "the store");
+      client.set(kSecretCheck, kNode0CannotUseItsFile);
+      std::cerr << "mnist_ddp: telling the other nodes, for up to " << static_cast<int64_t>(opts_.timeout)
+                << " s (--timeout; Ctrl-C ends it)" << std::endl;
+      const auto deadline = std::chrono::steady_clock::now() + timeout();
+      while (client.add(kSecretEnded, 0) < opts_.nnodes - 1 && std::chrono::steady_clock::now() < deadline)
+        if (supervisor_.wait(std::chrono::milliseconds(100)).signal) return;
+    } catch (const std::exception&) {
+    }
+  }
+
   // Whether every node has node 0's secret (store.hpp, "Note on
   // neighbours"): node 0 leaves a salted digest of its own at the store's
   // root (never the secret); another node compares, and a node whose secret
@@ -186,6 +206,10 @@ class Launcher {
                                  " s: is it mnist_ddp's node 0?");
     }
     const std::string theirs = client.get(kSecretCheck);
+    if (theirs == kNode0CannotUseItsFile) {
+      client.add(kSecretEnded, 1);
+      throw UsageError(secret_difference(0, kUnusableSecretFile) + ": give every node the same file (docs/clusters.md)");
+    }
     const std::string salt = theirs.substr(0, theirs.find(':'));
     if (secret_check(secret, salt) == theirs) return -1;
     const int how = secret.empty() ? 0 : theirs.find(":none") != std::string::npos ? 1 : 2;

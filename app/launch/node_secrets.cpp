@@ -2,9 +2,6 @@
 
 #include <c10/util/hash.h>
 
-#include <chrono>
-#include <exception>
-
 #include "comm/store.hpp"
 
 namespace mnist_ddp {
@@ -29,16 +26,10 @@ bool is_secret_difference(const std::string& said, int nnodes) {
 }
 
 void tell_node_0(const std::string& addr, int port, const std::string& why) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  do {
-    try {
-      auto store = open_store(addr, port, false, std::chrono::seconds(1));
-      StoreClient(store, std::chrono::seconds(2), "node 0's store").set(kSecretDiffers, why);
-      close_store(store);
-      return;
-    } catch (const std::exception&) {
-    }
-  } while (std::chrono::steady_clock::now() < deadline);
+  leave_word(addr, port, [&](const StoreClient& store) {
+    store.set(kSecretDiffers, why);
+    store.add(kSecretEnded, 1);
+  });
 }
 
 }  // namespace mnist_ddp

@@ -311,17 +311,24 @@ ProcessGroup init_process_group(const WorkerEnv& launched, const ProcessGroupOpt
   const Backend& backend = backend_for(env, options, device);
   const auto timeout = timeout_for(env, options);
   use_device(device);
-  const auto [store, restart] = open_job_store(env, timeout);
-  const StoreClient client(store, timeout,
-                           "the rendezvous store at " + env.master_addr + ":" + std::to_string(env.master_port));
-  const RankPlan plan = env.rank < 0 ? agree_on_ranks(client, env, timeout) : RankPlan{env.rank, env.world_size, {}};
+  const JobStore job = open_job_store(env, timeout);
+  const StorePtr& store = job.store;
+  const std::string where = "the rendezvous store at " + env.master_addr + ":" + std::to_string(env.master_port);
+  const StoreClient client(store, timeout, where), root(job.root, timeout, where);
+  // Under our launcher no worker reads a secret file (the launcher did).
+  auto refused = [&](int ranks) {
+    return env.ours() ? std::function<void()>()
+                      : [&root, ranks, host = job.hosted] { refused_secret_file(root, ranks, host); };
+  };
+  const RankPlan plan = env.rank < 0 ? agree_on_ranks(client, env, timeout, refused(0))
+                                     : RankPlan{env.rank, env.world_size, {}};
   const int rank = plan.rank, world_size = plan.world_size;
-  check_settings(client, rank, world_size, options.settings(), timeout);
+  check_settings(client, rank, world_size, options.settings(), timeout, refused(world_size));
   // A CPU job on one host sums through shared memory (shared_memory.hpp).
   const bool one_host = world_size == env.local_world_size;
   auto state = form(store, rank, world_size, backend, device, timeout, one_host, local_address_towards(env.master_addr),
                     options.check_collectives() ? std::nullopt : std::optional<Check>(Check::off));
-  state->restart = restart;
+  state->restart = job.start;
   state->local_rank = env.local_rank;
   state->local_world_size = env.local_world_size;
   state->launcher = env.launcher;

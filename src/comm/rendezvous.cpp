@@ -15,6 +15,7 @@
 #include <map>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "mnist_ddp/base/errors.hpp"
 
@@ -132,7 +133,35 @@ void compare_settings(const std::string& mine, int me, const std::string& theirs
   }
 }
 
+// Where a rank that cannot use its secret file says so, at the store's
+// root (it cannot name the job's prefix), and what it says: the other
+// ranks believe only that line, of one of theirs.
+constexpr const char* kUnusableSecretFile = "secret/unusable";
+constexpr const char* kToldOfSecretFile = "secret/told";  // how many ranks have read it
+const std::string kCannotUseItsFile = " cannot use its MNIST_DDP_SECRET_FILE (missing, empty, unreadable or a directory there)";
+
 }  // namespace
+
+void refused_secret_file(const StoreClient& root, int world_size, bool host) {
+  if (!root.check({kUnusableSecretFile})) return;
+  const std::string said = root.get(kUnusableSecretFile);
+  const size_t end = said.size() - std::min(said.size(), kCannotUseItsFile.size());
+  if (said.compare(end, std::string::npos, kCannotUseItsFile) != 0) return;
+  const std::string who = said.substr(0, end);
+  int node = -1, local = -1;
+  bool ours = false;
+  for (int r = 0; r < world_size && !ours; ++r) ours = who == "rank " + std::to_string(r);
+  if (world_size == 0 && std::sscanf(who.c_str(), "node %d local rank %d", &node, &local) == 2)
+    ours = who == "node " + std::to_string(node) + " local rank " + std::to_string(local);
+  if (!ours) return;
+  // The store's host waits (5 s at most) until every rank but the one
+  // that said it has read the word: its store ends with it.
+  root.add(kToldOfSecretFile, 1);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (host && root.add(kToldOfSecretFile, 0) < world_size - 1 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  throw UsageError(said + ": give every rank the same file");
+}
 
 // The store the workers of this start meet in, and which start of the job
 // it is: our launcher's (node 0's) store, under the round's prefix;
@@ -146,13 +175,26 @@ void compare_settings(const std::string& mine, int me, const std::string& theirs
 // rooms. The agent's store outlives the starts, so each rank counts its own
 // starts there: every start of the job starts every rank once, so the
 // counts agree, and name the start.
-std::pair<StorePtr, int> open_job_store(const WorkerEnv& env, std::chrono::milliseconds timeout) {
+JobStore open_job_store(const WorkerEnv& env, std::chrono::milliseconds timeout) {
   const bool host = !env.ours() && !env.agent_store && env.rank == 0;
   // The job's own keys live under a prefix nobody else can name (store.hpp,
   // "Note on neighbours"): our launcher's, or one derived from the secret,
   // read first: a bad secret file ends every rank at once, not only the
-  // store's host while the others wait for it.
-  const std::string secret = env.ours() ? "" : env.secret.read();
+  // store's host while the others wait for it, and a rank whose file alone
+  // fails tells the others.
+  std::string secret;
+  try {
+    secret = env.ours() ? "" : env.secret.read();
+  } catch (const UsageError&) {
+    if (!host) {
+      const std::string who = env.rank >= 0 ? "rank " + std::to_string(env.rank)
+                                            : "node " + std::to_string(env.node_rank) + " local rank " +
+                                                  std::to_string(env.local_rank);
+      leave_word(env.master_addr, env.master_port,
+                 [&](const StoreClient& store) { store.set(kUnusableSecretFile, who + kCannotUseItsFile); });
+    }
+    throw;
+  }
   StorePtr store;
   try {
     store = open_store(env.master_addr, env.master_port, host, timeout);
@@ -164,19 +206,20 @@ std::pair<StorePtr, int> open_job_store(const WorkerEnv& env, std::chrono::milli
   auto under = [&](const std::string& name) -> StorePtr {
     return c10::make_intrusive<c10d::PrefixStore>(prefix.empty() ? name : prefix + "/" + name, store);
   };
-  if (env.ours()) return {under("round/" + std::to_string(env.round)), env.round};
-  if (!env.agent_store) return {prefix.empty() ? store : under("job"), env.restart};
+  if (env.ours()) return {under("round/" + std::to_string(env.round)), store, env.round, host};
+  if (!env.agent_store) return {prefix.empty() ? store : under("job"), store, env.restart, host};
   const StoreClient client(store, timeout,
                            "torchrun's store at " + env.master_addr + ":" + std::to_string(env.master_port));
   const std::string starts = (prefix.empty() ? "" : prefix + "/") + "mnist_ddp/starts/rank_" + std::to_string(env.rank);
   const int start = static_cast<int>(client.add(starts, 1)) - 1;
-  return {under("/worker/attempt_" + std::to_string(start)), start};
+  return {under("/worker/attempt_" + std::to_string(start)), store, start, host};
 }
 
 // This rank's place among the nodes' workers when the launcher left it open:
 // each node's local rank 0 claims its node rank and announces its worker
 // count; node 0's ranks come first. Returns (rank, world size).
-RankPlan agree_on_ranks(const StoreClient& store, const WorkerEnv& env, std::chrono::milliseconds timeout) {
+RankPlan agree_on_ranks(const StoreClient& store, const WorkerEnv& env, std::chrono::milliseconds timeout,
+                        const std::function<void()>& check) {
   const std::string me = "nodes/" + std::to_string(env.node_rank);
   if (env.local_rank == 0) {
     const std::string mine = this_launchers_claim(), key = me + "/claim";
@@ -196,6 +239,7 @@ RankPlan agree_on_ranks(const StoreClient& store, const WorkerEnv& env, std::chr
   // A node started with another node count would wait for nodes that never
   // come, or leave one out: named as soon as its count is seen.
   auto same_node_count = [&] {
+    if (check) check();
     for (int k = 0; k < env.nnodes; ++k) {
       const std::string key = "nodes/" + std::to_string(k) + "/nnodes";
       if (k == env.node_rank || !store.check({key})) continue;
@@ -217,7 +261,7 @@ RankPlan agree_on_ranks(const StoreClient& store, const WorkerEnv& env, std::chr
                std::to_string(env.nnodes) + " --node-rank <its rank> --master-addr " + env.master_addr +
                " --master-port " + std::to_string(env.master_port);
       },
-      env.nnodes > 1 ? std::function<void()>(same_node_count) : nullptr);
+      same_node_count);
   RankPlan plan;
   int first = 0;  // this node's first rank
   for (int k = 0; k < env.nnodes; ++k) {
@@ -238,7 +282,7 @@ RankPlan agree_on_ranks(const StoreClient& store, const WorkerEnv& env, std::chr
 
 // Rank 0 checks everyone's settings, everyone checks rank 0's.
 void check_settings(const StoreClient& store, int rank, int world_size, const Settings& settings,
-                    std::chrono::milliseconds timeout) {
+                    std::chrono::milliseconds timeout, const std::function<void()>& check) {
   std::string mine;
   for (const auto& [name, value] : settings) mine += name + "=" + value + "\n";
   store.set("settings/" + std::to_string(rank), mine);
@@ -249,12 +293,15 @@ void check_settings(const StoreClient& store, int rank, int world_size, const Se
   if (rank == 0) {
     for (int r = 1; r < world_size; ++r) {
       const std::string key = "settings/" + std::to_string(r);
-      wait_for(store, {key}, timeout, never_arrived);
+      wait_for(store, {key}, timeout, never_arrived, check);
       compare_settings(mine, 0, store.get(key), r);
     }
+    store.set("settings/checked", "1");
   } else {
-    wait_for(store, {"settings/0"}, timeout, never_arrived);
+    wait_for(store, {"settings/0"}, timeout, never_arrived, check);
     compare_settings(store.get("settings/0"), 0, mine, rank);
+    // Rank 0 has seen every rank, or this one waits with it for the one missing.
+    wait_for(store, {"settings/checked"}, timeout, never_arrived, check);
   }
 }
 

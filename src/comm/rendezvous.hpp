@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <exception>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,9 +24,22 @@ PeerLost store_lost(const std::exception& e);
 // so peers on other machines can reach it. Loopback for a single-node job.
 std::string local_address_towards(const std::string& host);
 
-// The store the workers of this start meet in, and which start of the job
-// it is (see rendezvous.cpp, "Note on torchrun's restarts").
-std::pair<StorePtr, int> open_job_store(const WorkerEnv& env, std::chrono::milliseconds timeout);
+// The store the workers of this start meet in, the store's root, and which
+// start of the job it is (see rendezvous.cpp, "Note on torchrun's
+// restarts"). A rank that cannot use its MNIST_DDP_SECRET_FILE throws
+// UsageError, having said so at the root of the store, if it answered
+// within 5 s, for the other ranks' refused_secret_file().
+struct JobStore {
+  StorePtr store, root;
+  int start = 0;
+  bool hosted = false;  // this rank hosts it
+};
+JobStore open_job_store(const WorkerEnv& env, std::chrono::milliseconds timeout);
+
+// Throws UsageError if a rank of `world_size` (any, while the ranks are
+// not yet agreed: 0) has said at `root` that it cannot use its secret
+// file; the store's `host` first waits (5 s at most) for the others to read it.
+void refused_secret_file(const StoreClient& root, int world_size, bool host);
 
 // This rank's place among the nodes' workers when the launcher left it
 // open: each node's local rank 0 claims its node rank and announces its
@@ -35,11 +49,14 @@ struct RankPlan {
   int rank = 0, world_size = 1;
   std::vector<int> node_of_rank;
 };
-RankPlan agree_on_ranks(const StoreClient& store, const WorkerEnv& env, std::chrono::milliseconds timeout);
+RankPlan agree_on_ranks(const StoreClient& store, const WorkerEnv& env, std::chrono::milliseconds timeout,
+                        const std::function<void()>& check);
 
 // Rank 0 checks everyone's settings, everyone checks rank 0's: a
 // difference is one error naming the setting and both values.
+// Every rank waits until rank 0 has checked them all; `check` runs while
+// any waits (refused_secret_file()).
 void check_settings(const StoreClient& store, int rank, int world_size, const Settings& settings,
-                    std::chrono::milliseconds timeout);
+                    std::chrono::milliseconds timeout, const std::function<void()>& check);
 
 }  // namespace mnist_ddp

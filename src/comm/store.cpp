@@ -224,6 +224,19 @@ void close_store(c10::intrusive_ptr<c10d::TCPStore>& store) {
   done.wait_for(std::chrono::seconds(1));
 }
 
+void leave_word(const std::string& addr, int port, const std::function<void(const StoreClient&)>& say) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  do {
+    try {
+      auto store = open_store(addr, port, false, std::chrono::seconds(1));
+      say(StoreClient(store, std::chrono::seconds(2), "the store at " + addr + ":" + std::to_string(port)));
+      close_store(store);
+      return;
+    } catch (const std::exception&) {
+    }
+  } while (std::chrono::steady_clock::now() < deadline);
+}
+
 std::string store_kind() { return libuv_available() ? "libuv" : "classic"; }
 
 std::string prefix_for_secret(const std::string& secret) {

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <future>
 #include <memory>
@@ -54,6 +55,14 @@ void say_no_more();
 // client holding a request open keeps busy for ever. What it could not
 // finish ends with the process.
 void close_store(c10::intrusive_ptr<c10d::TCPStore>& store);
+
+class StoreClient;
+// For a process that ends before its job meets: reaches the store at
+// addr:port as a client and has `say` leave its word there, if the store
+// answers within 5 s (the processes of a job start together), so that the
+// others end at once rather than wait --timeout for it. Gives up silently
+// otherwise.
+void leave_word(const std::string& addr, int port, const std::function<void(const StoreClient&)>& say);
 
 // Note on stalls. LibTorch's TCPStore server (1.13's, and 2.x's classic
 // one) serves one request at a time and waits without limit for the rest of
