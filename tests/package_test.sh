@@ -31,6 +31,15 @@ run() {
 generator=()  # Ninja where the machine has it (a fresh one may lack make)
 command -v ninja >/dev/null && generator=(-G Ninja)
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# The flags two_inputs.cpp was compiled with (the build case's), torch.h
+# precompiled among them, for a program of our own: its source as C++, not
+# as the header the precompiled one was made from.
+example_flags() {
+  [ -f "$examples/build.ninja" ] || fail "the examples were not configured with Ninja (ninja-build), whose flags this reads"
+  local flags
+  flags="$(sed -n 's/^ *\(DEFINES\|INCLUDES\|FLAGS\) = //p' "$examples/build.ninja" | head -n 3 | tr '\n' ' ')"
+  echo "${flags//-x c++-header/}"
+}
 # The examples' last lines, without the launcher's name: what every launcher must agree on.
 results() { grep -E '^(\[[a-z0-9]+\]:)?[a-z_]+: rank [0-9]+ of' <<<"$1" | sed -E 's/^\[[a-z0-9]+\]://; s/ \([a-z_]+, /(/' | sort; }
 
@@ -224,8 +233,7 @@ case "$case_name" in
     # A model held by value, as pytorch/examples' cpp/mnist holds one, is
     # refused at compile time in one sentence. The include directories and
     # flags are the examples' own, read from their build (the build case's).
-    [ -f "$examples/build.ninja" ] || fail "the examples were not configured with Ninja (ninja-build), whose flags this reads"
-    flags="$(sed -n 's/^ *\(DEFINES\|INCLUDES\|FLAGS\) = //p' "$examples/build.ninja" | head -n 3 | tr '\n' ' ')"
+    flags="$(example_flags)"
     printf '%s\n' '#include <mnist_ddp/ddp.hpp>' \
       'struct Net : torch::nn::Module {};' \
       'int main() { auto group = mnist_ddp::init_process_group(); Net model; mnist_ddp::DistributedDataParallel ddp(model, group); }' \
@@ -246,8 +254,7 @@ case "$case_name" in
     # ([[nodiscard]]). No warning comes from the library: its headers are
     # read with -I, as a Makefile would, not -isystem as CMake's imported
     # target does, which would hide their warnings. One compile.
-    [ -f "$examples/build.ninja" ] || fail "the examples were not configured with Ninja (ninja-build), whose flags this reads"
-    flags="$(sed -n 's/^ *\(DEFINES\|INCLUDES\|FLAGS\) = //p' "$examples/build.ninja" | head -n 3 | tr '\n' ' ')"
+    flags="$(example_flags)"
     flags="${flags//-isystem $pkg\/prefix\/include/-I $pkg/prefix/include}"
     [[ "$flags" == *"-I $pkg/prefix/include"* ]] || fail "the examples' flags do not name the installed headers: $flags"
     cat >"$tmp/strict.cpp" <<'CPP'
