@@ -330,109 +330,82 @@ TEST_F(Hostile, ASecretThatCannotBeReadOrDiffersIsOneLine) {
 TEST_F(Hostile, ASecretFileThatCannotBeUsedEndsEveryRankAndNodeAtOnce) {
   const std::string missing = "MNIST_DDP_SECRET_FILE=" + (dir_ / "no-such-file");
   const std::string refusal = "MNIST_DDP_SECRET_FILE=" + (dir_ / "no-such-file") + ": No such file or directory";
+  const std::string cannot = " cannot use its MNIST_DDP_SECRET_FILE (missing, empty, unreadable or a directory there)";
   const auto at_once = 10s;  // --timeout 30; about 1 s each here
-  // Ranks as torchrun starts them; rank 1 once rank 0 has ended, so it
-  // finds no store at all.
-  for (const int r : {0, 1}) {
-    const std::string name = "rank" + std::to_string(r) + ".txt";
-    const auto start = std::chrono::steady_clock::now();
-    Process rank({"--backend", "gloo", "--data-dir", dir_ / "data", "--path", dir_ / "out", "--epochs", "1", "--timeout", "30"},
-                 dir_ / name,
-                 {missing, "RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r), "WORLD_SIZE=2",
-                  "LOCAL_WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port_});
-    const int code = exit_code(rank.wait(60s));
-    const std::string out = read_text(dir_ / name);
+  test::write_file(dir_ / "secret", "ours\n", false);
+  chmod((dir_ / "secret").c_str(), 0600);
+  const std::string good = "MNIST_DDP_SECRET_FILE=" + (dir_ / "secret");
+  // A rank as torchrun, srun or a pod starts it: `r` of `world`.
+  auto rank = [&](int r, int world, const std::string& secret) {
+    return std::make_unique<Process>(
+        std::vector<std::string>{"--backend", "gloo", "--data-dir", dir_ / "data", "--path", dir_ / "out", "--epochs",
+                                 "1", "--timeout", "30"},
+        dir_ / ("rank" + std::to_string(r) + ".txt"),
+        std::vector<std::string>{secret, "RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r),
+                                 "WORLD_SIZE=" + std::to_string(world), "LOCAL_WORLD_SIZE=" + std::to_string(world),
+                                 "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port_});
+  };
+  auto store_up = [&] {
+    return eventually(
+        [&] {
+          const int fd = test::connect_to_port(std::stoi(port_));
+          if (fd >= 0) close(fd);
+          return fd >= 0;
+        },
+        30s);
+  };
+  // `process` ended with exit 2 within at_once of `start`, its one error line `line`.
+  auto ended_saying = [&](Process& process, const std::string& output, auto start, const std::string& line) {
+    const int code = exit_code(process.wait(60s));
+    const std::string out = read_text(output);
     EXPECT_LT(std::chrono::steady_clock::now() - start, at_once) << out;
     EXPECT_EQ(code, 2) << out;
     EXPECT_EQ(error_lines(out), 1) << out;
-    EXPECT_NE(out.find("mnist_ddp: error: rank " + std::to_string(r) + ": " + refusal), std::string::npos) << out;
+    EXPECT_NE(out.find("mnist_ddp: error: " + line), std::string::npos) << out;
+    EXPECT_EQ(out.find("never"), std::string::npos) << out;  // "never joined", "never arrived"
+    EXPECT_EQ(out.find("could not reach"), std::string::npos) << out;
+  };
+
+  // Both ranks' files missing, as torchrun passes one to all; rank 1 once
+  // rank 0 has ended, so it finds no store at all.
+  for (const int r : {0, 1}) {
+    const auto start = std::chrono::steady_clock::now();
+    auto alone = rank(r, 2, missing);
+    ended_saying(*alone, dir_ / ("rank" + std::to_string(r) + ".txt"), start,
+                 "rank " + std::to_string(r) + ": " + refusal);
   }
-  test::write_file(dir_ / "secret", "ours\n", false);
-  chmod((dir_ / "secret").c_str(), 0600);
-  // Three ranks started by hand (srun, a pod each), rank 1's file missing:
-  // it tells the store rank 0 hosts, and ranks 0 and 2 end too, naming it.
+  // Three ranks, rank 1's file missing: it tells the store rank 0 hosts,
+  // and ranks 0 and 2 end too, naming it.
   {
     const auto start = std::chrono::steady_clock::now();
-    std::vector<std::unique_ptr<Process>> ranks;
-    for (const int r : {0, 1, 2}) {
-      ranks.push_back(std::make_unique<Process>(
-          std::vector<std::string>{"--backend", "gloo", "--data-dir", dir_ / "data", "--path", dir_ / "three",
-                                   "--epochs", "1", "--timeout", "30"},
-          dir_ / ("three" + std::to_string(r) + ".txt"),
-          std::vector<std::string>{r == 1 ? missing : "MNIST_DDP_SECRET_FILE=" + (dir_ / "secret"),
-                                   "RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r), "WORLD_SIZE=3",
-                                   "LOCAL_WORLD_SIZE=3", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port_}));
-      if (r == 0) {  // its store up first, as the others would find it
-        ASSERT_TRUE(eventually(
-            [&] {
-              const int fd = test::connect_to_port(std::stoi(port_));
-              if (fd >= 0) close(fd);
-              return fd >= 0;
-            },
-            30s));
-      }
-    }
-    for (const int r : {0, 1, 2}) {
-      const int code = exit_code(ranks[r]->wait(60s));
-      const std::string out = read_text(dir_ / ("three" + std::to_string(r) + ".txt"));
-      EXPECT_LT(std::chrono::steady_clock::now() - start, at_once) << out;
-      EXPECT_EQ(code, 2) << out;
-      EXPECT_EQ(error_lines(out), 1) << out;
-      EXPECT_NE(out.find(r == 1 ? "mnist_ddp: error: rank 1: " + refusal
-                                : "mnist_ddp: error: rank " + std::to_string(r) +
-                                      ": rank 1 cannot use its MNIST_DDP_SECRET_FILE (missing, empty, unreadable or "
-                                      "a directory there): give every rank the same file"),
-                std::string::npos)
-          << out;
-    }
+    auto rank0 = rank(0, 3, good);
+    ASSERT_TRUE(store_up());
+    auto rank1 = rank(1, 3, missing), rank2 = rank(2, 3, good);
+    ended_saying(*rank1, dir_ / "rank1.txt", start, "rank 1: " + refusal);
+    for (const auto& [r, process] : {std::pair{0, rank0.get()}, std::pair{2, rank2.get()}})
+      ended_saying(*process, dir_ / ("rank" + std::to_string(r) + ".txt"), start,
+                   "rank " + std::to_string(r) + ": rank 1" + cannot + ": give every rank the same file");
   }
-  // Two nodes, the file there on node 0's machine only: node 1 refuses, and
+  // Two nodes, the file missing on node 1's machine: node 1 refuses, and
   // node 0, whose worker waits for node 1's, is told so and ends too.
-  const auto start = std::chrono::steady_clock::now();
-  Process node0(node_of_two(0, {"--epochs", "1", "--timeout", "30"}), dir_ / "node0.txt",
-                {"MNIST_DDP_SECRET_FILE=" + (dir_ / "secret")});
-  ASSERT_TRUE(eventually(
-      [&] {
-        const int fd = test::connect_to_port(std::stoi(port_));  // node 0's store is up
-        if (fd >= 0) close(fd);
-        return fd >= 0;
-      },
-      30s))
-      << read_text(dir_ / "node0.txt");
-  Process node1(node_of_two(1, {"--epochs", "1", "--timeout", "30"}), dir_ / "node1.txt", {missing});
-  const int code1 = exit_code(node1.wait(60s)), code0 = exit_code(node0.wait(60s));
-  const std::string out0 = read_text(dir_ / "node0.txt"), out1 = read_text(dir_ / "node1.txt");
-  EXPECT_LT(std::chrono::steady_clock::now() - start, at_once) << out0 << out1;
-  EXPECT_EQ(code1, 2) << out1;
-  EXPECT_EQ(error_lines(out1), 1) << out1;
-  EXPECT_NE(out1.find("mnist_ddp: error: " + refusal), std::string::npos) << out1;
-  EXPECT_EQ(code0, 2) << out0;
-  EXPECT_EQ(error_lines(out0), 1) << out0;
-  EXPECT_NE(out0.find("mnist_ddp: error: node 1 cannot use its MNIST_DDP_SECRET_FILE (missing, empty, unreadable or a "
-                      "directory there): give every node the same MNIST_DDP_SECRET or MNIST_DDP_SECRET_FILE"),
-            std::string::npos)
-      << out0;
-  EXPECT_EQ(out0.find("never joined"), std::string::npos) << out0;
-
-  // The file there on node 1's machine only: node 0 refuses, and its store
-  // stays up to tell node 1, which ends too, then node 0.
-  const auto again = std::chrono::steady_clock::now();
-  Process refusing(node_of_two(0, {"--epochs", "1", "--timeout", "30"}), dir_ / "node0-bad.txt", {missing});
-  Process told(node_of_two(1, {"--epochs", "1", "--timeout", "30"}), dir_ / "node1-told.txt",
-               {"MNIST_DDP_SECRET_FILE=" + (dir_ / "secret")});
-  const int told_code = exit_code(told.wait(60s)), refusing_code = exit_code(refusing.wait(60s));
-  const std::string bad = read_text(dir_ / "node0-bad.txt"), said = read_text(dir_ / "node1-told.txt");
-  EXPECT_LT(std::chrono::steady_clock::now() - again, at_once) << bad << said;
-  EXPECT_EQ(refusing_code, 2) << bad;
-  EXPECT_EQ(error_lines(bad), 1) << bad;
-  EXPECT_NE(bad.find("mnist_ddp: error: " + refusal), std::string::npos) << bad;
-  EXPECT_EQ(told_code, 2) << said;
-  EXPECT_EQ(error_lines(said), 1) << said;
-  EXPECT_NE(said.find("mnist_ddp: error: node 0 cannot use its MNIST_DDP_SECRET_FILE (missing, empty, unreadable or "
-                      "a directory there): give every node the same file"),
-            std::string::npos)
-      << said;
-  EXPECT_EQ(said.find("could not reach"), std::string::npos) << said;
+  {
+    const auto start = std::chrono::steady_clock::now();
+    Process node0(node_of_two(0, {"--epochs", "1", "--timeout", "30"}), dir_ / "node0.txt", {good});
+    ASSERT_TRUE(store_up()) << read_text(dir_ / "node0.txt");
+    Process node1(node_of_two(1, {"--epochs", "1", "--timeout", "30"}), dir_ / "node1.txt", {missing});
+    ended_saying(node1, dir_ / "node1.txt", start, refusal);
+    ended_saying(node0, dir_ / "node0.txt", start,
+                 "node 1" + cannot + ": give every node the same MNIST_DDP_SECRET or MNIST_DDP_SECRET_FILE");
+  }
+  // Missing on node 0's machine: node 0 refuses, and its store stays up to
+  // tell node 1, which ends too, then node 0.
+  {
+    const auto start = std::chrono::steady_clock::now();
+    Process node0(node_of_two(0, {"--epochs", "1", "--timeout", "30"}), dir_ / "node0.txt", {missing});
+    Process node1(node_of_two(1, {"--epochs", "1", "--timeout", "30"}), dir_ / "node1.txt", {good});
+    ended_saying(node1, dir_ / "node1.txt", start, "node 0" + cannot + ": give every node the same file");
+    ended_saying(node0, dir_ / "node0.txt", start, refusal);
+  }
 }
 
 // Issue 43: a neighbour opens the store's port and sends one byte while two
