@@ -13,6 +13,7 @@
 
 #include "comm/group.hpp"
 #include "mnist_ddp/ddp.hpp"
+#include "parallel/advice.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -26,6 +27,7 @@ using test::Sums;
 // what every rank was about to issue, and says so in the same line, through
 // Gloo and through shared memory.
 TEST(CollectiveCheck, RanksThatIssueDifferentCollectivesEachSayWhatEveryRankWasDoing) {
+  use_library_advice();
   for (const Sums sums : {Sums::gloo, Sums::shared_memory}) {
     std::vector<std::string> said(2);
     std::mutex mutex;
@@ -38,10 +40,10 @@ TEST(CollectiveCheck, RanksThatIssueDifferentCollectivesEachSayWhatEveryRankWasD
             try {
               if (group.rank() == 0) {
                 auto stats = torch::zeros({65});
-                bulk_stream(group)->allreduce_sum(stats, "SyncBatchNorm features.1's forward");
+                bulk_stream(group)->allreduce_sum(stats, Issuer(kSyncBnForward, 0, -1, "SyncBatchNorm features.1's forward"));
               } else {
                 auto bucket = torch::zeros({1000});
-                bulk_stream(group)->allreduce_sum(bucket, "DDP bucket 0's backward");
+                bulk_stream(group)->allreduce_sum(bucket, bucket_issuer(0, 0));
               }
             } catch (const CollectiveMismatch& e) {
               what = e.what();
@@ -94,6 +96,8 @@ Caught catch_on_ranks(int world, const std::function<void(ProcessGroup&)>& fn, c
           what = std::string("Timeout: ") + e.what();
         } catch (const PeerLost& e) {
           what = std::string("PeerLost: ") + e.what();
+        } catch (const UsageError& e) {
+          what = std::string("UsageError: ") + e.what();
         }
         std::unique_lock<std::mutex> lock(mutex);
         caught.said[group.rank()] = what;
@@ -259,13 +263,14 @@ TEST(CollectiveCheck, ARankThatNeverComesIsNamedAtTheTimeoutWithWhereItWaits) {
 // rank waits in will never come: that is named within seconds, as uneven
 // inputs, whatever the timeout.
 TEST(CollectiveCheck, ARankThatEndsItsProgramBeforeACollectiveIsNamedAsUnevenInputs) {
+  use_library_advice();
   for (const Sums sums : {Sums::gloo, Sums::shared_memory}) {
     const Caught caught = catch_on_ranks(
         2,
         [](ProcessGroup& group) {
           auto t = torch::zeros({1000});
-          bulk_stream(group)->allreduce_sum(t, "DDP bucket 0's backward");
-          if (group.rank() == 0) bulk_stream(group)->allreduce_sum(t, "DDP bucket 0's backward");
+          bulk_stream(group)->allreduce_sum(t, bucket_issuer(0, 0));
+          if (group.rank() == 0) bulk_stream(group)->allreduce_sum(t, bucket_issuer(0, 0));
         },
         summing(sums), /*hold=*/false);
     const std::string where = sums == Sums::gloo ? "gloo" : "shared memory";
@@ -440,7 +445,7 @@ TEST(CollectiveCheck, AHookOfOursIsCheckedOnceABucketAProgramsHookAtEveryCollect
         model = torch::nn::Sequential(torch::nn::Linear(16, 16), torch::nn::ReLU(), torch::nn::Linear(16, 4));
       }
       DistributedDataParallel ddp(model, group);
-      const auto options = hooks::PowerSgdOptions().start_powersgd_iter(0);
+      const auto options = hooks::PowerSgdOptions().start_powersgd_iter(0).use_error_feedback(false).warm_start(false);
       ddp.register_comm_hook(ours ? hooks::CommHookPtr(hooks::powersgd(options))
                                   : hooks::CommHookPtr(std::make_shared<Mine>(options)));
       const auto x = torch::ones({4, 16}) * (group.rank() + 1);
@@ -475,7 +480,7 @@ TEST(Join, UnevenInputsUnderPowerSgdEndWithIdenticalReplicasAndHookState) {
       model = torch::nn::Sequential(torch::nn::Linear(16, 16), torch::nn::ReLU(), torch::nn::Linear(16, 4));
     }
     DistributedDataParallel ddp(model, group);
-    auto hook = hooks::powersgd(hooks::PowerSgdOptions().start_powersgd_iter(0).matrix_approximation_rank(2));
+    auto hook = hooks::powersgd(hooks::PowerSgdOptions().start_powersgd_iter(2).matrix_approximation_rank(2));
     ddp.register_comm_hook(hooks::fp16_compress_wrapper(hook));
     torch::optim::SGD sgd(model->parameters(), 0.05);
     const int r = group.rank();
@@ -506,6 +511,186 @@ TEST(Join, UnevenInputsUnderPowerSgdEndWithIdenticalReplicasAndHookState) {
       EXPECT_TRUE(got[r][i].isfinite().all().item<bool>());
     }
   }
+}
+
+}  // namespace
+}  // namespace mnist_ddp
+
+namespace mnist_ddp {
+namespace {
+
+// static_graph under join(), rank 0 out of data from the start: the others
+// learn the graph and rebuild their buckets without it (their rebuild
+// comes from the highest rank with data), and after join() every rank
+// holds the last rank's model and buckets, so the next step is every
+// rank's alike.
+TEST(Join, StaticGraphWithRank0OutOfDataFirstEndsWithOneModelAndOneLayout) {
+  constexpr int kRanks = 3;
+  std::vector<std::vector<torch::Tensor>> got(kRanks);
+  std::vector<std::vector<std::string>> buckets(kRanks);
+  std::mutex mutex;
+  run_ranks(kRanks, [&](ProcessGroup& group) {
+    torch::nn::Sequential model{nullptr};
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      torch::manual_seed(5);
+      model = torch::nn::Sequential(torch::nn::Linear(8, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+    }
+    // Small buckets, so that the rebuilt order changes the layout.
+    DistributedDataParallel ddp(model, group, DdpOptions().static_graph(true).bucket_cap_mb(1e-4).first_bucket_cap_mb(1e-4));
+    torch::optim::SGD sgd(model->parameters(), 0.1);
+    const int r = group.rank();
+    auto step = [&](int k) {
+      torch::manual_seed(100 * r + k);
+      sgd.zero_grad();
+      torch::mse_loss(ddp.forward(torch::randn({4, 8})), torch::randn({4, 2})).backward();
+      sgd.step();
+    };
+    ddp.join([&] {
+      for (int k = 0; k < 2 * r; ++k) step(k);
+    });
+    step(99);
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const auto& t : model->parameters()) got[r].push_back(t.detach().clone());
+    buckets[r] = ddp.describe_buckets();
+  });
+  for (int r = 1; r < kRanks; ++r) {
+    EXPECT_EQ(buckets[r], buckets[0]) << "rank " << r << "'s buckets";
+    for (size_t i = 0; i < got[0].size(); ++i) EXPECT_TRUE(torch::equal(got[r][i], got[0][i])) << "replica " << r;
+  }
+}
+
+// A broadcast from a rank that has joined has nothing to send: refused on
+// every rank by name (never delivered as zeros), a replica check's too,
+// and the group's streams stay usable.
+TEST(Join, ABroadcastFromARankThatHasJoinedIsRefusedOnEveryRank) {
+  std::vector<std::string> said(2);
+  std::vector<double> after(2);
+  run_ranks(2, [&](ProcessGroup& group) {
+    auto model = std::make_shared<torch::nn::LinearImpl>(4, 2);
+    DistributedDataParallel ddp(model, group);
+    try {
+      ddp.join([&] {
+        if (group.rank() == 0) return;  // no data at all
+        ddp.forward(torch::ones({2, 4})).sum().backward();
+        auto t = torch::ones({3});
+        group.broadcast(t, 0);
+      });
+    } catch (const UsageError& e) {
+      said[group.rank()] = e.what();
+    }
+    auto t = torch::ones({1});
+    group.allreduce_sum(t);
+    after[group.rank()] = t.item<double>();
+  });
+  const std::string tail = "rank 0 has joined (ddp.join(): its data ran out) and has nothing to send; broadcast from a "
+                           "rank that still has data, or after join() returns on every rank";
+  EXPECT_EQ(said[0], "ddp.join(): the other ranks broadcast 3 float32 from rank 0, and " + tail);
+  EXPECT_EQ(said[1], "the program's own broadcast (broadcast, 3 float32, from rank 0): " + tail);
+  EXPECT_EQ(after, (std::vector<double>{2, 2}));
+}
+
+}  // namespace
+}  // namespace mnist_ddp
+
+namespace mnist_ddp {
+namespace {
+
+// A peer that stops in the middle of a transfer (past its check): the
+// watchdog names it at the group's timeout (2 s here), a Timeout saying
+// where the peer stands, not Gloo's failure 5 s later read as a lost peer.
+TEST(CollectiveWatch, APeerThatHangsMidTransferIsANamedTimeout) {
+  for (const Sums sums : {Sums::gloo, Sums::shared_memory}) {
+    test::Ranks how = summing(sums);
+    how.timeout = 2s;
+    const Caught caught = catch_on_ranks(
+        2,
+        [](ProcessGroup& group) {
+          auto t = torch::ones({1000});
+          bulk_stream(group)->allreduce_sum(t, "the test");
+          if (group.rank() == 0)  // a transfer rank 1 never makes
+            bulk_stream(group)->run([t](Channel& c) { c.link().allreduce_sum(t)->waitAndThrow(); }, "the test");
+        },
+        how);
+    const std::string where = sums == Sums::gloo ? "gloo" : "shared memory";
+    EXPECT_EQ(caught.said[0], "Timeout: rank 1 did not reach the test (allreduce, 1000 float32)'s transfer within 2 s "
+                              "(the timeout); rank 1 last passed the test (allreduce, 1000 float32)")
+        << where;
+    EXPECT_EQ(caught.said[1], "(passed)") << where;
+    EXPECT_LT(caught.took, 6s) << where << ": named at the timeout, before Gloo's own (7 s)";
+  }
+}
+
+// A wait that is no evidence (rank 1's thread is busy, not waiting) is
+// reported once, at a third of the timeout, on the rank that waits, and
+// waited for: the collective completes when rank 1 comes.
+TEST(CollectiveWatch, AStallWithoutEvidenceIsReportedOnceAndWaitedFor) {
+  test::Ranks how;
+  how.timeout = 6s;
+  std::vector<double> got(2);
+  testing::internal::CaptureStderr();
+  run_ranks(
+      2,
+      [&](ProcessGroup& group) {
+        if (group.rank() == 1) std::this_thread::sleep_for(3s);
+        auto t = torch::ones({10});
+        quick_stream(group)->allreduce_sum(t, "the test");
+        got[group.rank()] = t[0].item<double>();
+      },
+      how);
+  const std::string said = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(got, (std::vector<double>{2, 2}));
+  EXPECT_NE(said.find("[rank 0] mnist_ddp: rank 0 has waited 2 s in the test (allreduce, 10 float32); rank 1 has "
+                      "issued nothing there yet; likely cause: every rank must issue the same collectives in the same "
+                      "order (docs/library.md, \"What is checked\"); waiting on, up to the timeout (6 s)"),
+            std::string::npos)
+      << said;
+  EXPECT_EQ(test::count_lines_with(said, "has waited"), 1) << said;
+}
+
+// A Work's callback runs on the thread that issues the group's
+// collectives: one that waits on a collective of the group would wait for
+// itself, and is refused at once.
+TEST(CollectiveWatch, AWorksCallbackThatWaitsOnItsOwnGroupIsRefusedAtOnce) {
+  const Caught caught = catch_on_ranks(
+      2,
+      [](ProcessGroup& group) {
+        if (group.rank() == 1) std::this_thread::sleep_for(300ms);  // rank 0's future completes on the stream's thread
+        auto t = torch::ones({4});
+        Work work = group.allreduce_sum_async(t);
+        if (group.rank() == 0) work.get_future()->addCallback([group](c10::ivalue::Future&) { group.barrier(); });
+        work.wait();
+        group.barrier();
+      },
+      test::Ranks(), /*hold=*/false);
+  EXPECT_NE(caught.said[0].find("a collective was waited for on the thread that issues them"), std::string::npos)
+      << caught.said[0];
+  EXPECT_LT(caught.took, 15s);
+}
+
+// A program's hook whose future never completes is named at the timeout.
+TEST(CollectiveWatch, AHooksFutureThatNeverCompletesIsNamedAtTheTimeout) {
+  struct Never : hooks::CommHook {
+    std::string name() const override { return "never"; }
+    FuturePtr run(const hooks::GradBucket&, hooks::Wire&) override {
+      return c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+    }
+  };
+  test::Ranks how;
+  how.timeout = 2s;
+  const Caught caught = catch_on_ranks(
+      2,
+      [](ProcessGroup& group) {
+        auto model = std::make_shared<torch::nn::LinearImpl>(4, 2);
+        DistributedDataParallel ddp(model, group);
+        ddp.register_comm_hook(std::make_shared<Never>());
+        ddp.forward(torch::ones({2, 4})).sum().backward();
+      },
+      how);
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(caught.said[r], "Timeout: the future never returned for DDP bucket 0's backward did not complete within "
+                              "2 s (the timeout): a communication hook's future must complete")
+        << "rank " << r;
 }
 
 }  // namespace

@@ -1,9 +1,14 @@
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <thread>
+
 #include "mnist_ddp/parallel/comm_hooks.hpp"
 #include "mnist_ddp/parallel/distributed.hpp"
 #include "app/train/model.hpp"
 #include "mnist_ddp/parallel/sync_batch_norm.hpp"
+#include "parallel/iteration.hpp"
+#include "parallel/layout.hpp"
 #include "test_util.hpp"
 
 namespace mnist_ddp {
@@ -304,6 +309,198 @@ std::vector<torch::Tensor> train_oracle(const std::vector<Batches>& data, std::v
 }
 
 const torch::Device kGpu(torch::kCUDA, 0);
+
+// ---- the bucket layout and the iteration, without communication ----
+
+std::vector<AveragedParam> three_params() {
+  return {{torch::zeros({3}), "a"}, {torch::zeros({2, 2}), "b"}, {torch::zeros({5}, torch::kFloat64), "c"}};
+}
+
+// One dtype a bucket, buckets by their first parameter's place in the
+// order, each gradient a view at its place in its bucket's buffer; a new
+// layout takes over gradients that were views of the old one's.
+TEST(BucketLayout, ViewsLieInTheirBucketsInOrderAndANewLayoutTakesTheOldGradients) {
+  auto params = three_params();
+  const BucketLayout layout(params, {2, 1, 0}, 1 << 20, 1 << 20);
+  ASSERT_EQ(layout.size(), 2u);
+  EXPECT_EQ(layout.bucket(0).parameter_names(), (std::vector<std::string>{"c"}));
+  EXPECT_EQ(layout.bucket(1).parameter_names(), (std::vector<std::string>{"b", "a"}));
+  EXPECT_EQ(layout.bucket_of(0), 1u);
+  EXPECT_EQ(layout.params_in(1), 2u);
+  const auto* base = static_cast<const float*>(layout.bucket(1).buffer().data_ptr());
+  EXPECT_EQ(layout.view(1).data_ptr(), base);
+  EXPECT_EQ(layout.view(0).data_ptr(), base + 4);
+  EXPECT_TRUE(layout.bucket(1).is_last());
+  params[1].tensor.mutable_grad() = layout.view(1);
+  layout.view(1).fill_(7);
+  const BucketLayout rebuilt(params, {0, 1, 2}, 1 << 20, 1 << 20);
+  rebuilt.adopt_gradients(params, layout);
+  EXPECT_TRUE(params[1].tensor.grad().is_same(rebuilt.view(1)));
+  EXPECT_TRUE(torch::equal(params[1].tensor.grad(), torch::full({2, 2}, 7.0f)));
+  EXPECT_EQ(rebuilt.bucket(0).parameter_names(), (std::vector<std::string>{"a", "b"}));
+}
+
+// What the machine told its DDP to do, in order.
+struct Told : Iteration::Effects {
+  std::vector<std::string> said;
+  void took_gradient(size_t p) override { said.push_back("took " + std::to_string(p)); }
+  void counted_unused(size_t p) override { said.push_back("unused " + std::to_string(p)); }
+  void bucket_ready(size_t b) override { said.push_back("post " + std::to_string(b)); }
+  std::vector<std::string> posts() const {
+    std::vector<std::string> out;
+    for (const auto& s : said)
+      if (s.rfind("post", 0) == 0) out.push_back(s);
+    return out;
+  }
+};
+
+// Two parameters, each in a bucket of its own: p0 in bucket 1, p1 in bucket 0.
+BucketLayout two_buckets() {
+  static const std::vector<AveragedParam> params{{torch::zeros({2}), "p0"}, {torch::zeros({2}), "p1"}};
+  return BucketLayout(params, {1, 0}, 1, 1);
+}
+
+TEST(Iteration, BucketsGoInIndexOrderAndSeveralBackwardsCompleteOneIteration) {
+  Told told;
+  Iteration it(2, false, false, told);
+  it.use_layout(two_buckets());
+  it.open(false);
+  EXPECT_TRUE(it.gradient(0, "p0"));  // starts a backward call
+  EXPECT_TRUE(told.posts().empty()) << "bucket 1 waits for bucket 0";
+  EXPECT_EQ(it.end_backward(), Iteration::End::open) << "p1 comes in another backward call";
+  EXPECT_TRUE(it.gradient(1, "p1"));
+  EXPECT_EQ(told.posts(), (std::vector<std::string>{"post 0", "post 1"}));
+  EXPECT_EQ(it.end_backward(), Iteration::End::complete);
+  EXPECT_EQ(it.close(), (std::vector<bool>{true, true}));
+  EXPECT_EQ(it.phase(), Iteration::Phase::closed);
+  it.gradient(0, "p0");
+  EXPECT_EQ(it.end_backward(), Iteration::End::bypassed) << "a backward with no forward of the DDP's";
+  it.open(false);
+  it.gradient(0, "p0");
+  EXPECT_THROW(it.gradient(0, "p0"), UsageError) << "a second gradient before its bucket went";
+}
+
+TEST(Iteration, NoSyncAccumulatesAndAnUnreachedParameterIsUnusedAtOnce) {
+  Told told;
+  Iteration it(2, true, false, told);
+  it.use_layout(two_buckets());
+  it.open(true);
+  it.gradient(0, "p0");
+  EXPECT_EQ(it.end_backward(), Iteration::End::ignored);
+  EXPECT_TRUE(told.posts().empty());
+  it.open(false);
+  ASSERT_TRUE(it.wants_walk());
+  it.walked({true, false});
+  EXPECT_EQ(told.posts(), (std::vector<std::string>{"post 0"})) << "p1 counted unused at the forward";
+  it.gradient(0, "p0");
+  EXPECT_EQ(told.posts(), (std::vector<std::string>{"post 0", "post 1"}));
+  EXPECT_EQ(it.end_backward(), Iteration::End::complete);
+  EXPECT_EQ(it.close(), (std::vector<bool>{true, false})) << "p0 used, in no_sync's micro-batch and after";
+}
+
+// find_unused_parameters: a backward call averages what it has (an output
+// the loss left out: what got nothing is unused), and another backward of
+// the same forward is a round of its own.
+TEST(Iteration, UnderFindUnusedParametersEachBackwardIsARound) {
+  Told told;
+  Iteration it(2, true, false, told);
+  it.use_layout(two_buckets());
+  it.open(false);
+  it.walked({true, true});
+  it.gradient(0, "p0");
+  EXPECT_EQ(it.end_backward(), Iteration::End::complete);
+  it.close();
+  EXPECT_EQ(it.phase(), Iteration::Phase::rounded);
+  told.said.clear();
+  it.gradient(1, "p1");
+  EXPECT_EQ(it.phase(), Iteration::Phase::averaging) << "a second loss's backward";
+  EXPECT_EQ(it.end_backward(), Iteration::End::complete);
+  EXPECT_EQ(it.close(), (std::vector<bool>{false, true}));
+  EXPECT_EQ(told.posts(), (std::vector<std::string>{"post 0", "post 1"}));
+}
+
+// static_graph: the first step learns how many gradients each parameter
+// gets and in which order, the buckets are rebuilt once, then a parameter
+// is ready once it has as many as then.
+TEST(Iteration, StaticGraphLearnsItsFirstStepThenCountsEachParametersGradients) {
+  Told told;
+  Iteration it(2, false, true, told);
+  it.use_layout(two_buckets());
+  it.open(false);
+  EXPECT_EQ(it.phase(), Iteration::Phase::learning);
+  it.gradient(1, "p1");
+  it.gradient(0, "p0");
+  it.gradient(0, "p0");  // twice: a reentrant backward
+  EXPECT_TRUE(told.posts().empty()) << "the first step posts at its end";
+  EXPECT_EQ(it.end_backward(), Iteration::End::complete);
+  EXPECT_TRUE(it.rebuild_due());
+  EXPECT_EQ(it.ready_order(), (std::vector<size_t>{1, 0}));
+  EXPECT_EQ(it.expected_fires(), (std::vector<int>{2, 1}));
+  it.close();
+  it.rebuilt();
+  it.open(false);
+  EXPECT_EQ(it.phase(), Iteration::Phase::averaging);
+  told.said.clear();
+  it.gradient(0, "p0");
+  EXPECT_TRUE(told.posts().empty()) << "p0 has one of its two";
+  it.gradient(1, "p1");
+  it.gradient(0, "p0");
+  EXPECT_EQ(told.posts(), (std::vector<std::string>{"post 0", "post 1"}));
+  EXPECT_THROW(it.gradient(0, "p0"), UsageError) << "more than the first step gave";
+}
+
+// A bucket's task may outlive the DDP that posted it: here the backward
+// is ended by shutdown() while the task is inside PowerSGD's hook, the DDP
+// is destroyed, and then the task reads its bucket and runs the hook. It
+// owns what it touches (the sanitizer leg, scripts/sanitize.sh, finds any
+// read of freed memory).
+TEST(Ddp, ADdpDestroyedWhileItsBucketTaskRunsUnderPowerSgdLeavesTheTaskWhatItTouches) {
+  struct Slow : hooks::CommHook {
+    explicit Slow(std::atomic<bool>& gone) : ddp_gone(gone) {}
+    std::string name() const override { return "slow powersgd"; }
+    FuturePtr run(const hooks::GradBucket& bucket, hooks::Wire& wire) override {
+      for (int i = 0; i < 500 && !ddp_gone; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      std::string names;
+      for (const auto& n : bucket.parameter_names()) names += n + " ";
+      saw = names + std::to_string(bucket.buffer().numel()) + " " + std::to_string(std::lround(bucket.buffer().sum().item<float>()));
+      return inner->run(bucket, wire);
+    }
+    std::atomic<bool>& ddp_gone;
+    std::shared_ptr<hooks::PowerSgdHook> inner = hooks::powersgd(
+        hooks::PowerSgdOptions().start_powersgd_iter(0).use_error_feedback(false).warm_start(false));
+    std::string saw;
+  };
+  std::vector<std::string> saw(2), caught(2);
+  test::Ranks how;
+  how.barrier_after = false;
+  run_ranks(
+      2,
+      [&](ProcessGroup& group) {
+        std::atomic<bool> gone{false};
+        auto hook = std::make_shared<Slow>(gone);
+        std::thread ender([&] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          group.shutdown();
+        });
+        try {
+          auto model = std::make_shared<torch::nn::LinearImpl>(16, 16);
+          DistributedDataParallel ddp(model, group);
+          ddp.register_comm_hook(hook);
+          ddp.forward(torch::ones({4, 16})).sum().backward();
+        } catch (const std::exception& e) {
+          caught[group.rank()] = error_line(e);
+        }
+        gone = true;  // the DDP and its model are gone: the task goes on in the hook
+        ender.join();
+        for (int i = 0; i < 500 && hook->saw.empty(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        saw[group.rank()] = hook->saw;
+      },
+      how);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(caught[r].find("the process group was shut down"), std::string::npos) << "rank " << r << ": " << caught[r];
+    EXPECT_EQ(saw[r], "bias weight 272 1088") << "rank " << r << ": what the task read of its bucket";
+  }
+}
 
 TEST(Ddp, SyncBatchNormRanksTrackOneProcessOnTheConcatenatedBatch) {
   const auto data = conv_bn_batches(2, 3);

@@ -47,10 +47,30 @@ void say(const ProcessGroup& group, const std::string& line) {
   test::write_line("legit: rank " + std::to_string(group.rank()) + ": " + line);
 }
 
+// Rank 0 has no batch at all and joins at once; rank 1 trains a model of
+// two Linear layers (no buffers, no SyncBatchNorm: nothing but its
+// buckets and join's vote on the wire) for longer than the timeout.
+void join_outlasting_the_timeout(const ProcessGroup& group) {
+  const int rank = group.rank();
+  auto model = torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+  DistributedDataParallel ddp(model, group);
+  torch::optim::SGD opt(model->parameters(), 0.1);
+  const auto until = std::chrono::steady_clock::now() + 2 * group.timeout() + 1s;
+  ddp.join([&] {
+    for (int k = 0; rank == 1 && std::chrono::steady_clock::now() < until; ++k) {
+      step(ddp, opt, rank, k);
+      std::this_thread::sleep_for(100ms);
+    }
+  });
+  ddp.check_replicas("after joining");
+  say(group, "passed");
+}
+
 void run_case(const std::string& name) {
   auto group = init_process_group();
   const int rank = group.rank();
   torch::manual_seed(0);
+  if (name == "join-outlasting-the-timeout") return join_outlasting_the_timeout(group);
   Synced model;
   DistributedDataParallel<Synced> ddp(model, group);
   torch::optim::SGD opt(model->parameters(), 0.1);
@@ -167,6 +187,12 @@ TEST(Legit, TwoModelsOnTwoThreadsOneOfThemSixSecondsLate) { expect_runs_to_its_e
 TEST(Legit, ARankThatStopsForEightSecondsWithinTheTimeout) { expect_runs_to_its_end("slow-rank"); }
 
 TEST(Legit, JoinWithARankThatHasNoBatchAtAllAndAGradScaler) { expect_runs_to_its_end("join-idle-rank"); }
+
+// Twice the timeout (3 s) of training on one rank while the other, joined
+// at once, serves it: each wait of the joined rank lasts one step.
+TEST(Legit, JoinWithAnIdleRankWhileTheOtherTrainsLongerThanTheTimeout) {
+  expect_runs_to_its_end("join-outlasting-the-timeout", 3);
+}
 
 TEST(Legit, LocalBackwardsThatAreAveragedLaterOrNeverStepped) { expect_runs_to_its_end("local-backwards"); }
 

@@ -647,7 +647,7 @@ TEST(Library, AnInfOnOneRankMakesEveryRankSkipTheStepAlike) {
       DistributedDataParallel ddp(model, group);
       if (hook == "powersgd")
         ddp.register_comm_hook(hooks::powersgd(
-            hooks::PowerSgdOptions().start_powersgd_iter(0).min_compression_rate(0.1).use_error_feedback(true)));
+            hooks::PowerSgdOptions().start_powersgd_iter(2).min_compression_rate(0.1).use_error_feedback(true)));
       torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
       GradScaler scaler(group, GradScalerOptions().init_scale(1024).growth_interval(2));
       for (int s = 0; s < 5; ++s) {
@@ -722,6 +722,116 @@ TEST(Library, AutocastLowersTheForwardAndTheGradientsStayFloat32) {
     grads[group.rank()] = torch::cat(parts);
   });
   EXPECT_TRUE(torch::equal(grads[0], grads[1]));
+}
+
+}  // namespace
+}  // namespace mnist_ddp
+
+namespace mnist_ddp {
+namespace {
+
+// Registered a then b, run b then a: the gradients become ready in another
+// order than the buckets' first (reverse registration), so static_graph's
+// rebuild changes which parameters each bucket holds.
+struct CrossedImpl : torch::nn::Module {
+  CrossedImpl() {
+    a = register_module("a", torch::nn::Linear(8, 8));
+    b = register_module("b", torch::nn::Linear(4, 8));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return a(torch::relu(b(x))); }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+
+// A new model holding `from`'s values (a module's copy would share its tensors).
+std::shared_ptr<CrossedImpl> copy_of(CrossedImpl& from) {
+  auto to = std::make_shared<CrossedImpl>();
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < to->parameters().size(); ++i) to->parameters()[i].copy_(from.parameters()[i]);
+  return to;
+}
+
+// static_graph rebuilds its buckets after the first step, and PowerSGD
+// keeps its state (error feedback, P and Q) by bucket. Its state saved
+// names the buckets it was kept for: a run resumed from it lays out its
+// buckets as the saved run's from its first step, and ends bit-identical
+// to the run never stopped (before, its first step ran the first layout
+// against the rebuilt one's state: the errors, of equal sizes, landed on
+// other gradients).
+TEST(Library, AStaticGraphUnderPowerSgdResumedFromItsSavedHookEndsAsTheStraightRun) {
+  const auto options = DdpOptions().static_graph(true).bucket_cap_mb(1e-6).first_bucket_cap_mb(1e-6);
+  const auto powersgd = hooks::PowerSgdOptions().start_powersgd_iter(2).min_compression_rate(0.1);
+  auto train = [&](ProcessGroup& group, std::shared_ptr<CrossedImpl> model, std::shared_ptr<hooks::PowerSgdHook> hook,
+                   int from, int to) {
+    DistributedDataParallel ddp(model, group, options);
+    ddp.register_comm_hook(hook);
+    torch::optim::SGD sgd(model->parameters(), 0.1);
+    for (int k = from; k < to; ++k) {
+      torch::Tensor x;
+      {
+        static std::mutex mutex;
+        std::lock_guard<std::mutex> lock(mutex);
+        torch::manual_seed(1000 * group.rank() + k);
+        x = torch::randn({6, 4});
+      }
+      sgd.zero_grad();
+      ddp.forward(x).pow(2).mean().backward();
+      sgd.step();
+    }
+  };
+  auto models = replicas<CrossedImpl>(61);
+  std::vector<torch::Tensor> straight(kWorld), resumed(kWorld);
+  run_ranks(kWorld, [&](ProcessGroup& group) {
+    auto model = copy_of(*models[group.rank()]);
+    train(group, model, hooks::powersgd(powersgd), 0, 6);
+    straight[group.rank()] = torch::cat({model->a->weight.reshape(-1), model->b->weight.reshape(-1)}).detach().clone();
+  });
+  run_ranks(kWorld, [&](ProcessGroup& group) {
+    auto first = copy_of(*models[group.rank()]);
+    auto hook = hooks::powersgd(powersgd);
+    train(group, first, hook, 0, 3);
+    const hooks::HookState saved = hook->state();
+    auto again = copy_of(*first);  // as a new process would: a new model, hook and DDP
+    auto loaded = hooks::powersgd(powersgd);
+    loaded->load_state(saved);
+    train(group, again, loaded, 3, 6);
+    resumed[group.rank()] = torch::cat({again->a->weight.reshape(-1), again->b->weight.reshape(-1)}).detach().clone();
+  });
+  for (int r = 0; r < kWorld; ++r)
+    EXPECT_TRUE(torch::equal(resumed[r], straight[r])) << "rank " << r << ": resumed differs from the straight run by "
+                                                       << max_abs_diff(resumed[r], straight[r]);
+}
+
+// A state kept for other buckets (another bucket_cap_mb) is refused by
+// name, not applied to other gradients.
+TEST(Library, AHookStateKeptForOtherBucketsIsRefusedByName) {
+  const auto powersgd = hooks::PowerSgdOptions().start_powersgd_iter(2).min_compression_rate(0.1);
+  auto models = replicas<CrossedImpl>(62);
+  std::vector<std::string> said(kWorld);
+  run_ranks(kWorld, [&](ProcessGroup& group) {
+    auto model = models[group.rank()];
+    hooks::HookState saved;
+    {
+      DistributedDataParallel ddp(model, group, DdpOptions().bucket_cap_mb(1e-6).first_bucket_cap_mb(1e-6));
+      auto hook = hooks::powersgd(powersgd);
+      ddp.register_comm_hook(hook);
+      for (int k = 0; k < 3; ++k) ddp.forward(torch::ones({2, 4})).sum().backward();
+      saved = hook->state();
+    }
+    DistributedDataParallel ddp(model, group);  // one bucket
+    auto hook = hooks::powersgd(powersgd);
+    hook->load_state(saved);
+    ddp.register_comm_hook(hook);
+    try {
+      ddp.forward(torch::ones({2, 4})).sum().backward();
+    } catch (const UsageError& e) {
+      said[group.rank()] = e.what();
+    }
+  });
+  for (int r = 0; r < kWorld; ++r)
+    EXPECT_EQ(said[r], "register_comm_hook: the hook's state was kept for other buckets (its bucket 0: b.bias; this "
+                       "DistributedDataParallel's: b.bias b.weight a.bias a.weight): resume with the model, "
+                       "bucket_cap_mb and static_graph it was saved with")
+        << "rank " << r;
 }
 
 }  // namespace

@@ -59,6 +59,40 @@ Small small_model(int64_t hidden = 8) {
   return model;
 }
 
+// A generator and a discriminator, each with a SyncBatchNorm, each its own
+// DistributedDataParallel: the generator the group's first (its lanes),
+// the discriminator the second (a stream of its own).
+torch::nn::Sequential gan_half(int64_t in, int64_t out) {
+  torch::nn::Sequential half(torch::nn::Linear(in, 8), torch::nn::BatchNorm1d(8), torch::nn::ReLU(), torch::nn::Linear(8, out));
+  convert_sync_batchnorm(half);
+  return half;
+}
+
+struct Gan {
+  explicit Gan(const ProcessGroup& group)
+      : g(gan_half(4, 4)), d(gan_half(4, 1)), g_ddp(g, group), d_ddp(d, group), g_opt(g->parameters(), 0.1),
+        d_opt(d->parameters(), 0.1) {}
+  // The discriminator's step on real data, then the generator's through it.
+  void step(int rank, int k) {
+    torch::manual_seed(10 * rank + k);
+    const auto z = torch::randn({8, 4}), real = torch::randn({8, 4});
+    d_opt.zero_grad();
+    d_ddp.forward(real).pow(2).mean().backward();
+    d_opt.step();
+    g_opt.zero_grad();
+    d_ddp.forward(g_ddp.forward(z)).mean().backward();
+    g_opt.step();
+  }
+  // A look at what the generator makes, left in train mode.
+  void sample() {
+    torch::NoGradGuard no_grad;
+    g->forward(torch::randn({4, 4}));
+  }
+  torch::nn::Sequential g, d;
+  DistributedDataParallel<torch::nn::Sequential> g_ddp, d_ddp;
+  torch::optim::SGD g_opt, d_opt;
+};
+
 void run_case(const std::string& name) {
   auto group = init_process_group();
   const int rank = group.rank();
@@ -75,7 +109,7 @@ void run_case(const std::string& name) {
   } else if (name == "powersgd-one-rank") {
     Small model = small_model();
     DistributedDataParallel<Small> ddp(model, group);
-    if (rank == 1) ddp.register_comm_hook(hooks::powersgd(hooks::PowerSgdOptions().start_powersgd_iter(0)));
+    if (rank == 1) ddp.register_comm_hook(hooks::powersgd(hooks::PowerSgdOptions().start_powersgd_iter(2)));
     torch::optim::SGD opt(model->parameters(), 0.1);
     for (int k = 0; k < 3; ++k) step(ddp, opt, rank, k);
   } else if (name == "syncbn-one-rank") {  // rank 0 samples in train mode, as if for a checkpoint
@@ -178,6 +212,28 @@ void run_case(const std::string& name) {
     if (torch::equal(before, model->weight.detach())) throw Error("the bfloat16 parameters did not move");
     ddp.check_replicas("after training");
     say(group, "bfloat16 parameters trained, replicas identical");
+  } else if (name == "gan") {  // rank 0 samples from the generator in train mode mid-training
+    Gan gan(group);
+    for (int k = 0; k < 4; ++k) {
+      gan.step(rank, k);
+      if (k == 1 && rank == 0) gan.sample();
+    }
+  } else if (name == "gan-sample-at-end") {  // rank 0 samples after its last step, then both check the replicas
+    Gan gan(group);
+    for (int k = 0; k < 2; ++k) gan.step(rank, k);
+    if (rank == 0) gan.sample();
+    gan.d_ddp.check_replicas("after training");
+  } else if (name == "uneven-two-lanes") {  // no buffers, no SyncBatchNorm: rank 1 one step short, then a replica check
+    auto model = torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+    DistributedDataParallel ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    for (int k = 0; k < (rank == 1 ? 2 : 3); ++k) step(ddp, opt, rank, k);
+    ddp.check_replicas("after training");
+  } else if (name == "unwaited-works") {  // each rank a different collective as a Work nobody waits on
+    auto t = torch::ones({4});
+    if (rank == 0) group.allreduce_sum_async(t);
+    else group.broadcast_async(t, 0);
+    say(group, "returned without waiting");
   } else if (name == "timeout") {  // the launcher's --timeout, unless the options name one
     say(group, "timeout " + std::to_string(group.timeout().count()) + " ms");
   } else {
@@ -202,9 +258,9 @@ TEST(MistakeProgram, Run) {
 
 using test::Ran;
 
-// The case under `mnist_ddp run --nproc 2 --timeout 10`.
-Ran run_mistake(const std::string& name) {
-  return test::run_program("MistakeProgram.Run", {"MNIST_DDP_TEST_MISTAKE=" + name}, 10, 60s);
+// The case under `mnist_ddp run --nproc 2 --timeout T`.
+Ran run_mistake(const std::string& name, int timeout_s = 10) {
+  return test::run_program("MistakeProgram.Run", {"MNIST_DDP_TEST_MISTAKE=" + name}, timeout_s, 60s);
 }
 
 size_t count(const std::string& text, const std::string& piece) {
@@ -252,7 +308,7 @@ TEST(Mistakes, DifferentHooksAreNamedAtTheFirstBackward) {
                              "hooks");
   expect_named_on_every_rank(run_mistake("powersgd-one-rank"),
                              {"register_comm_hook: rank 1's hook is powersgd (matrix_approximation_rank 1, "
-                              "start_powersgd_iter 0,", "rank 0's is none"},
+                              "start_powersgd_iter 2,", "rank 0's is none"},
                              "powersgd-one-rank");
 }
 
@@ -280,6 +336,43 @@ void expect_caught(const Ran& ran, const std::string& line) {
   EXPECT_EQ(ran.code, 1) << ran.output;
   EXPECT_LT(ran.seconds, 10) << ran.output;
   EXPECT_NE(ran.output.find("mistake: caught: " + line), std::string::npos) << ran.output;
+}
+
+// Ranks that wait for each other on different streams, each with one
+// thread that posts collectives, are deadlocked: named within seconds at
+// the default timeout (300 s), with the likely cause, never the timeout.
+TEST(Mistakes, RanksDeadlockedOnTwoStreamsAreNamedWithTheCauseWithinSeconds) {
+  const std::string syncbn = "a train-mode forward through SyncBatchNorm must run on every rank";
+  const Ran gan = run_mistake("gan", 300);
+  expect_named_on_every_rank(gan,
+                             {"rank 0 waits in SyncBatchNorm 1's forward without autograd (allreduce, 17 float64); "
+                              "rank 1 waits in the second DistributedDataParallel's buffers before a forward",
+                              "each on another stream, so none can go on: " + syncbn},
+                             "gan", 20);
+  const Ran at_end = run_mistake("gan-sample-at-end", 300);
+  expect_named_on_every_rank(at_end,
+                             {"rank 0 waits in SyncBatchNorm 1's forward without autograd", 
+                              "rank 1 waits in the second DistributedDataParallel's replica check", syncbn},
+                             "gan-sample-at-end", 20);
+  EXPECT_EQ(at_end.output.find("ddp.join()"), std::string::npos) << "join cannot help a sampling forward\n" << at_end.output;
+  expect_named_on_every_rank(run_mistake("uneven-two-lanes", 300),
+                             {"rank 0 waits in DDP bucket 0's backward", "rank 1 waits in the replica check",
+                              "none can go on: the ranks ran different numbers of steps (uneven inputs): give every "
+                              "rank as many batches, or wrap each rank's training loop in ddp.join()"},
+                             "uneven-two-lanes", 20);
+}
+
+// Works nobody waits on still say what failed: each rank names the
+// mismatch in one line as its program ends, and exits 1.
+TEST(Mistakes, AMismatchAmongWorksNobodyWaitsOnIsNamed) {
+  const Ran ran = run_mistake("unwaited-works");
+  EXPECT_EQ(ran.code, 1) << ran.output;
+  EXPECT_LT(ran.seconds, 10) << ran.output;
+  EXPECT_EQ(count(ran.output, "a collective nobody waited for"), 2u) << ran.output;
+  EXPECT_EQ(count(ran.output, "rank 0 is in the program's own allreduce_sum (allreduce, 4 float32); rank 1 is in the "
+                              "program's own broadcast (broadcast, 4 float32, from rank 0)"),
+            2u)
+      << ran.output;
 }
 
 TEST(Mistakes, AHookAfterTheFirstBackwardIsRefused) {

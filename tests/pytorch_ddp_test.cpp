@@ -70,6 +70,36 @@ TEST(PyTorchDdp, TwoOutputsEachWithItsOwnBackwardAverageAsOneProcess) {
   }
 }
 
+// With find_unused_parameters, an output the loss leaves out is fine, as
+// in PyTorch: its parameters' .grad stays undefined, the others' are the
+// oracle's average, and the next forward goes on.
+TEST(PyTorchDdp, AnOutputTheLossLeavesOutWithFindUnusedParametersLeavesItsGradientsUndefined) {
+  auto models = test::replicas<TwoOutputsImpl>(43, 2);
+  torch::manual_seed(44);
+  const auto x = torch::randn({8, 4});
+  std::vector<Snapshot> got(2);
+  run_ranks(2, [&](ProcessGroup& group) {
+    auto model = models[group.rank()];
+    DistributedDataParallel ddp(model, group, DdpOptions().find_unused_parameters(true));
+    for (int step = 0; step < 2; ++step) {  // the second forward finds nothing left open
+      model->zero_grad();
+      auto [a, b] = ddp.forward(test::shard(x, group.rank(), 2));
+      a.pow(2).mean().backward();
+    }
+    got[group.rank()] = snapshot(*model);
+  });
+  auto oracle = models[2];
+  oracle->zero_grad();
+  torch::Tensor loss = torch::zeros({});
+  for (int r = 0; r < 2; ++r) loss = loss + std::get<0>(oracle->forward(test::shard(x, r, 2))).pow(2).mean() / 2;
+  loss.backward();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(models[r]->second->weight.grad().defined()) << "rank " << r;
+    EXPECT_FALSE(models[r]->second->bias.grad().defined()) << "rank " << r;
+  }
+  expect_oracle(got, snapshot(*oracle));
+}
+
 // .grad stays undefined after a forward, until a backward writes it (as
 // PyTorch's test_ddp_grad_is_none... checks); one no rank used stays
 // undefined after the backward too.
@@ -429,8 +459,7 @@ TEST(PyTorchDdp, JoinDividesByTheActiveRanksOrThrowsEverywhereAsItsOptionsSay) {
 
   std::vector<std::string> said(3);
   std::vector<int> steps(3);
-  test::Ranks stopped;
-  stopped.barrier_after = false;  // every stream of a rank stopped with the error
+  std::vector<double> gathered(3);
   run_ranks(3, [&](ProcessGroup& group) {
     auto model = std::make_shared<torch::nn::LinearImpl>(4, 2);
     DistributedDataParallel ddp(model, group);
@@ -446,11 +475,18 @@ TEST(PyTorchDdp, JoinDividesByTheActiveRanksOrThrowsEverywhereAsItsOptionsSay) {
     } catch (const Error& e) {
       said[group.rank()] = e.what();
     }
-  }, stopped);
+    // The group goes on, as PyTorch's test goes on using it.
+    group.barrier();
+    gathered[group.rank()] = group.allgather(torch::full({1}, double(group.rank()))).sum().item<double>();
+    DistributedDataParallel again(std::make_shared<torch::nn::LinearImpl>(4, 2), group);
+    again.forward(torch::ones({2, 4})).sum().backward();
+    ddp.forward(torch::ones({2, 4})).sum().backward();
+  });
   for (int r = 0; r < 3; ++r)
     EXPECT_EQ(said[r], "ddp.join(): rank 1 ran out of inputs, and throw_on_early_termination stops every rank there")
         << "rank " << r;
   EXPECT_EQ(steps, (std::vector<int>{1, 1, 1})) << "the others stop at their next step";
+  EXPECT_EQ(gathered, (std::vector<double>{3, 3, 3})) << "the group is usable after the early termination";
 
   std::vector<int> ran(2);
   run_ranks(2, [&](ProcessGroup& group) {

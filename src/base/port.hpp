@@ -42,6 +42,16 @@ inline void shut_down_nccl(Group& group) {
 #endif
 }
 
+// Aborts an NCCL group's communicators, so that its collectives still in
+// flight (waiting on a peer that will not come) end with an error:
+// ProcessGroupNCCL::abort() from 2.2; before, nothing to call (its
+// watchdog, which c10d runs itself there, is the only way).
+inline void abort_nccl(Group& group) {
+#if defined(MNIST_DDP_WITH_CUDA) && (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2))
+  static_cast<c10d::ProcessGroupNCCL&>(group).abort();
+#endif
+}
+
 // Autocast for `device`'s type: on or off, and the dtype it lowers to.
 // LibTorch 2.4 on names the device type; before, the CPU and CUDA have
 // functions of their own (which 2.x keeps, deprecated, for a while).

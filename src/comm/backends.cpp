@@ -29,6 +29,7 @@ Backend gloo() {
     return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, options);
   };
   b.shut_down = [](port::Group&) {};
+  b.abort = [](port::Group&) {};
   return b;
 }
 
@@ -46,6 +47,7 @@ Backend nccl() {
     return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world_size, options);
   };
   b.shut_down = [](port::Group& group) { port::shut_down_nccl(group); };
+  b.abort = [](port::Group& group) { port::abort_nccl(group); };
 #else
   b.unavailable = "this build of mnist_ddp has no CUDA (its LibTorch is CPU-only); use gloo";
 #endif

@@ -47,6 +47,10 @@ struct Backend {
       create;
   // Lets go of a group cleanly at the end of a run (NCCL warns otherwise).
   std::function<void(port::Group&)> shut_down;
+  // Ends a group's collectives still in flight, for good (NCCL: aborts its
+  // communicators, so that kernels waiting on a peer return); a no-op where
+  // a waiter can be woken otherwise (Gloo).
+  std::function<void(port::Group&)> abort;
 };
 
 // The backend `name` names; UsageError naming the known ones, or why this

@@ -1,25 +1,49 @@
-// The check before each collective, and ddp.join()'s serving of the
-// others' collectives (collectives.hpp, "Note on the check").
+// The Channel: the check before each collective, and what it offers a rank
+// with nothing to issue (collectives.hpp).
+//
+// Note on the check. A program can issue different collectives on
+// different ranks (a model or hook that differs, a SyncBatchNorm forward on
+// one rank, a rank whose data ran out). So each collective is preceded by a
+// check: every rank says what it is about to issue (its issuer, "DDP bucket
+// 0's backward", the operation, dtype, element count and root) as a
+// fingerprint in a fixed-size sum over the ranks, the same size whatever the
+// collective, so a mismatch can never put anything of a size another rank
+// does not expect on the wire (Gloo aborts the process then). A rank whose
+// fingerprint's pieces, times the number of ranks that gave one, equal the
+// sums (and likewise the squares) knows every rank gave its own
+// (Cauchy-Schwarz; every sum stays an exact integer in float64). A verdict
+// rests on nothing else: two ranks' descriptions of the same position of
+// the same lane. Ranks that differ then leave their own words in the store
+// and throw the same CollectiveMismatch.
+//
+// What it costs (docs/design.md, "The check"): a small float sum (up to
+// kInline elements: SyncBatchNorm's statistics, votes, metrics) travels in
+// its own check, so it costs nothing more; a larger collective's check goes
+// over a group of its own (through shared memory on one host), so it never
+// queues behind a bucket still on the wire. Under NCCL the check travels
+// on a Gloo group beside the collective, which is issued at once, and is
+// verified when it completes: no host synchronisation per collective.
+//
+// The same sum carries what a rank that abstains needs (abstain(): a rank
+// whose data ran out, under ddp.join()): it adds zeros, and learns from the
+// sums what the others issue (their operation, dtype, count, root and tag)
+// and, where every rank abstained, that none issues anything.
 #include "comm/collectives.hpp"
 
 #include <algorithm>
 #include <cmath>
-
-#include "comm/shared_memory.hpp"
 
 namespace mnist_ddp {
 
 namespace {
 
 // A check is one float64 sum: [the inlined sum's elements | the fields | a
-// bitmap of the active ranks]. Every field is summed over the ranks that
-// are active (not joined), and every value stays an integer far below 2^53,
-// so the sums are exact.
-enum Field : int64_t { kActive, kOp, kDtype, kNumel, kRoot, kInlined, kStop, kPrint, kSquare = kPrint + 3, kFields = kSquare + 3 };
-constexpr int kPieces = 3;        // a description's fingerprint: 3 pieces of 16 bits
-constexpr int kBitsPerWord = 48;  // active ranks, 48 to a float64
+// bitmap of the ranks that issue]. Every field is summed over those ranks,
+// and every value stays an integer far below 2^53, so the sums are exact.
+enum Field : int64_t { kIssuers, kOp, kDtype, kNumel, kRoot, kInlined, kTag, kPrint, kSquare = kPrint + 3, kFields = kSquare + 3 };
+constexpr int kPieces = 3;          // a description's fingerprint: 3 pieces of 16 bits
+constexpr int kBitsPerWord = 48;    // issuing ranks, 48 to a float64
 constexpr size_t kMaxPending = 64;  // Check::alongside: checks in flight before the lane waits for the oldest
-const char* const kJoinedWords = "ddp.join(): its data ran out";
 
 const char* op_name(Op op) {
   switch (op) {
@@ -33,6 +57,22 @@ const char* op_name(Op op) {
 }
 
 int64_t bitmap_words(int world) { return (world + kBitsPerWord - 1) / kBitsPerWord; }
+
+// Whether the issuing ranks of summed check `s` (its fields, from
+// kIssuers) all gave the fingerprint `pieces`, or, for a rank that
+// abstains (`pieces` nullptr), all gave one fingerprint.
+bool all_agree(const double* s, const int64_t* pieces) {
+  const double n = s[kIssuers];
+  for (int i = 0; i < kPieces; ++i) {
+    const double a = pieces ? static_cast<double>(pieces[i]) : s[kPrint + i] / n;
+    if (a != std::floor(a) || s[kPrint + i] != n * a || s[kSquare + i] != n * a * a) return false;
+  }
+  return true;
+}
+
+bool issued_by(const double* s, int r) {
+  return ((static_cast<uint64_t>(s[kFields + r / kBitsPerWord]) >> (r % kBitsPerWord)) & 1u) != 0;
+}
 
 }  // namespace
 
@@ -50,45 +90,85 @@ std::string dtype_name(c10::ScalarType t) {
   }
 }
 
-namespace {
+Channel::Channel(Link link, Check check, GroupPtr check_group)
+    : link_(std::move(link)),
+      check_(check),
+      check_group_(check_group ? std::move(check_group) : link_.group()),
+      inline_(check == Check::before ? kInline : 0),
+      active_(link_.world_size()) {}
+
+Channel::~Channel() = default;
+
+void Channel::set_issuer(Issuer issuer) {
+  issuer_ = std::move(issuer);
+  tag_ = 0;
+}
+
+FuturePtr Channel::allreduce_sum(torch::Tensor tensor) {
+  const bool small_float = tensor.numel() <= inline_ && tensor.is_cpu() && !tensor.is_sparse() &&
+                           (tensor.scalar_type() == torch::kFloat || tensor.scalar_type() == torch::kDouble);
+  if (small_float && world_size() > 1 && !follows_checked()) {
+    link_.issue("allreduce", tensor);
+    check(Op::allreduce, tensor, 0, &tensor);
+    return completed_future(tensor);
+  }
+  check(Op::allreduce, tensor, 0);
+  return link_.allreduce_sum(std::move(tensor));
+}
+
+void Channel::broadcast(torch::Tensor& tensor, int root) { link_.broadcast(tensor, check(Op::broadcast, tensor, root).root); }
+
+std::vector<torch::Tensor> Channel::gather_to_rank0(const torch::Tensor& tensor) {
+  check(Op::gather, tensor, 0);
+  return link_.gather_to_rank0(tensor);
+}
+
+torch::Tensor Channel::allgather(const torch::Tensor& tensor) {
+  check(Op::allgather, tensor, 0);
+  return link_.allgather(tensor);
+}
+
+void Channel::barrier() {
+  // Checked before its transfer, the check is itself the barrier.
+  if (world_size() > 1 && check_ == Check::before) return void(check(Op::barrier, torch::Tensor(), 0));
+  check(Op::barrier, torch::Tensor(), 0);
+  link_.barrier();
+}
 
 // "DDP bucket 0's backward (allreduce, 1181066 float32)": what a rank's
 // messages say it was in. A broadcast from kAuthority is "from rank 0",
 // which it is unless ranks have joined.
-std::string describe(const std::string& issuer, Op op, const torch::Tensor& tensor, int root) {
-  std::string d = issuer + " (" + op_name(op);
+Channel::Described Channel::describe(Op op, const torch::Tensor& tensor, int root, bool inlined) const {
+  Described d;
+  d.op = op;
+  d.dtype = tensor.defined() ? static_cast<int64_t>(tensor.scalar_type()) : -1;
+  d.numel = tensor.defined() ? tensor.numel() : 0;
+  d.root = root;
+  d.tag = tag_;
+  d.inlined = inlined;
+  d.what = issuer_.text + " (" + op_name(op);
   if (tensor.defined())
-    d += ", " + std::to_string(tensor.numel()) + (tensor.is_sparse() ? " sparse " : " ") + dtype_name(tensor.scalar_type());
-  if (op == Op::broadcast) d += ", from rank " + std::to_string(root == kAuthority ? 0 : root);
-  return d + ")";
+    d.what += ", " + std::to_string(tensor.numel()) + (tensor.is_sparse() ? " sparse " : " ") +
+              dtype_name(tensor.scalar_type());
+  if (op == Op::broadcast) d.what += ", from rank " + std::to_string(root == kAuthority ? 0 : root);
+  d.what += ")";
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a, over the words and the tag
+  for (const unsigned char c : d.what + "#" + std::to_string(d.tag)) h = (h ^ c) * 0x100000001b3ull;
+  for (int i = 0; i < kPieces; ++i) d.pieces[i] = static_cast<int64_t>((h >> (16 * i)) & 0xffff);
+  return d;
 }
-
-// Whether the active ranks of summed check `s` (its fields, from kActive)
-// all gave the fingerprint `pieces`, or, for a joined rank (`pieces`
-// nullptr), all gave one fingerprint. By Cauchy-Schwarz, n values whose sum
-// is n a and whose squares sum to n a^2 are all a; the sums are exact.
-bool all_agree(const double* s, const int64_t* pieces) {
-  const double n = s[kActive];
-  for (int i = 0; i < kPieces; ++i) {
-    const double a = pieces ? static_cast<double>(pieces[i]) : s[kPrint + i] / n;
-    if (a != std::floor(a) || s[kPrint + i] != n * a || s[kSquare + i] != n * a * a) return false;
-  }
-  return true;
-}
-
-}  // namespace
 
 torch::Tensor Channel::check_tensor(const Described* mine) const {
-  const int64_t words = bitmap_words(world_size());
-  auto sums = torch::zeros({inline_ + kFields + words}, torch::kFloat64);
+  auto sums = torch::zeros({inline_ + kFields + bitmap_words(world_size())}, torch::kFloat64);
   if (!mine) return sums;
   double* f = sums.data_ptr<double>() + inline_;
-  f[kActive] = 1;
+  f[kIssuers] = 1;
   f[kOp] = static_cast<double>(static_cast<int64_t>(mine->op));
   f[kDtype] = static_cast<double>(mine->dtype);
   f[kNumel] = static_cast<double>(mine->numel);
   f[kRoot] = mine->root;
   f[kInlined] = mine->inlined ? 1 : 0;
+  f[kTag] = mine->tag;
   for (int i = 0; i < kPieces; ++i) {
     f[kPrint + i] = static_cast<double>(mine->pieces[i]);
     f[kSquare + i] = static_cast<double>(mine->pieces[i]) * static_cast<double>(mine->pieces[i]);
@@ -97,56 +177,64 @@ torch::Tensor Channel::check_tensor(const Described* mine) const {
   return sums;
 }
 
+uint64_t Channel::enter_check(const std::string& what) {
+  LaneState& lane = *link_.lane();
+  std::lock_guard<std::mutex> lock(lane.mutex);
+  lane.issuer = issuer_;
+  lane.what = what;
+  return lane.passed;
+}
+
+void Channel::pass_check() {
+  LaneState& lane = *link_.lane();
+  std::lock_guard<std::mutex> lock(lane.mutex);
+  ++lane.passed;
+}
+
 void Channel::exchange_check(torch::Tensor& sums) {
-  CollectiveWatch::Wait wait;
-  auto stalled = [&] {
-    if (watch_) watch_->stalled(*lane_, wait);
-  };
-  if (!shared_) {
-    std::vector<at::Tensor> tensors{sums};
-    return await(check_group_->allreduce(tensors));
-  }
-  try {
-    shared_->allreduce_sum(sums, stalled);
-  } catch (const PeerLost&) {
-    explained(std::current_exception());
-  }
+  if (const auto& watch = link_.watch())
+    if (auto error = watch->mismatch()) std::rethrow_exception(error);
+  link_.sum_check(sums, check_group_);
 }
 
 Channel::Outcome Channel::verify(const torch::Tensor& sums, const Described* mine, uint64_t position) {
   const double* s = sums.data_ptr<double>() + inline_;
-  const auto n = s[kActive];
-  auto active = [&](int r) { return ((static_cast<uint64_t>(s[kFields + r / kBitsPerWord]) >> (r % kBitsPerWord)) & 1u) != 0; };
-  if (s[kStop] > 0) {  // a rank ran out of data under join()'s throw_on_early_termination
-    std::vector<int> joined;
-    for (int r = 0; r < world_size(); ++r)
-      if (!active(r)) joined.push_back(r);
-    std::string who;
-    for (int r : joined) who += (who.empty() ? "" : ", ") + std::to_string(r);
-    const Error error("ddp.join(): rank" + std::string(joined.size() > 1 ? "s " : " ") + who +
-                      " ran out of inputs, and throw_on_early_termination stops every rank there");
-    if (watch_) watch_->mismatched(std::make_exception_ptr(error));  // every lane of this rank stops with it
-    throw error;
-  }
-  if (n > 0 && !all_agree(s, mine ? mine->pieces : nullptr)) mismatch(position, mine ? mine->what : kJoinedWords);
+  const auto n = s[kIssuers];
+  if (n > 0 && !all_agree(s, mine ? mine->pieces : nullptr)) mismatch(position, mine ? mine->what : issuer_.text);
   active_ = static_cast<int>(n);
   Outcome out;
-  const int root = static_cast<int>(std::lround(s[kRoot] / n));
-  out.root = root;
   out.served = s[kInlined] > 0;
-  if (root != kAuthority) return out;
-  // The authority: rank 0 while it is active, else the highest active rank.
-  out.root = 0;
-  if (!active(0))
-    for (int r = world_size() - 1; r > 0 && out.root == 0; --r)
-      if (active(r)) out.root = r;
+  const int root = n > 0 ? static_cast<int>(std::lround(s[kRoot] / n)) : 0;
+  out.root = root;
+  if (root == kAuthority) {  // rank 0 while it issues, else the highest rank that does
+    out.root = 0;
+    if (!issued_by(s, 0))
+      for (int r = world_size() - 1; r > 0 && out.root == 0; --r)
+        if (issued_by(s, r)) out.root = r;
+  }
+  const bool broadcast = n > 0 && std::lround(s[kOp] / n) == static_cast<long>(Op::broadcast);
+  if (broadcast && !issued_by(s, out.root)) refuse_broadcast(s, mine, out.root);
   return out;
 }
 
+// A broadcast from `root`, a rank that has joined (ddp.join()): it has
+// nothing to send, and every rank says so, from what it knows.
+void Channel::refuse_broadcast(const double* s, const Described* mine, int root) {
+  const std::string tail = "rank " + std::to_string(root) +
+                           " has joined (ddp.join(): its data ran out) and has nothing to send; broadcast from a rank "
+                           "that still has data, or after join() returns on every rank";
+  if (mine) throw RefusedEverywhere(mine->what + ": " + tail);
+  const double n = s[kIssuers];
+  throw RefusedEverywhere("ddp.join(): the other ranks broadcast " + std::to_string(std::llround(s[kNumel] / n)) + " " +
+                          dtype_name(static_cast<c10::ScalarType>(std::lround(s[kDtype] / n))) + " from rank " +
+                          std::to_string(root) + ", and " + tail);
+}
+
 void Channel::mismatch(uint64_t position, const std::string& mine) {
-  const std::string line = watch_ ? watch_->mismatch_line(lane_->name, position, mine) : mine;
+  const auto& watch = link_.watch();
+  const std::string line = watch ? watch->mismatch_line(link_.lane()->name, position, issuer_, mine) : mine;
   const CollectiveMismatch error(line);
-  if (watch_) watch_->mismatched(std::make_exception_ptr(error));  // this rank's other lanes end with it too
+  if (watch) watch->mismatched(std::make_exception_ptr(error));  // this rank's other lanes end with it too
   throw error;
 }
 
@@ -155,77 +243,55 @@ Channel::Outcome Channel::check(Op op, const torch::Tensor& tensor, int root, to
   out.root = root == kAuthority ? 0 : root;
   if (world_size() == 1 || check_ == Check::off || follows_checked()) return out;
   if (run_ == Run::first) run_ = Run::following;
-  if (probe) probe->checked();
-  if (watch_)
-    if (auto error = watch_->mismatch()) std::rethrow_exception(error);
-  Described d;
-  d.op = op;
-  d.dtype = tensor.defined() ? static_cast<int64_t>(tensor.scalar_type()) : -1;
-  d.numel = tensor.defined() ? tensor.numel() : 0;
-  d.root = root;
-  d.inlined = inlined != nullptr;
-  d.what = describe(issuer_, op, tensor, root);
-  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
-  for (const unsigned char c : d.what) h = (h ^ c) * 0x100000001b3ull;
-  for (int i = 0; i < kPieces; ++i) d.pieces[i] = static_cast<int64_t>((h >> (16 * i)) & 0xffff);
-  uint64_t position;
-  {
-    std::lock_guard<std::mutex> lock(lane_->mutex);
-    position = lane_->passed;
-    lane_->what = d.what;
-  }
+  if (link_.probe) link_.probe->checked();
+  const Described d = describe(op, tensor, root, inlined != nullptr);
+  tag_ = 0;
+  const uint64_t position = enter_check(d.what);
   auto sums = check_tensor(&d);
   if (check_ == Check::alongside && root != kAuthority) {
-    // Issued at once; the check is held to it when it completes.
-    while (!pending_.empty() && settle_oldest(pending_.size() >= kMaxPending)) {
-    }
-    auto pending = std::make_unique<Pending>();
-    pending->position = position;
-    pending->described = d;
-    pending->sums = sums;
-    std::vector<at::Tensor> tensors{sums};
-    pending->done = check_group_->allreduce(tensors)->getFuture();
-    if (watch_) {
-      // Said at once, so that a rank whose collective hangs (NCCL, on a
-      // mismatch of sizes) is woken by its waits (CollectiveStream::wait).
-      pending->done->addCallback([watch = watch_, lane = lane_->name, position, d, sums, offset = inline_](
-                                     c10::ivalue::Future& done) {
-        if (done.hasError() || all_agree(sums.data_ptr<double>() + offset, d.pieces)) return;
-        watch->mismatched(std::make_exception_ptr(CollectiveMismatch(watch->mismatch_line(lane, position, d.what))));
-      });
-    }
-    pending_.push_back(std::move(pending));
-    std::lock_guard<std::mutex> lock(lane_->mutex);
-    ++lane_->passed;
+    check_alongside(d, position, sums);
     return out;
   }
-  settle();  // a broadcast from the authority needs every earlier check's word on who has joined
+  settle();  // a broadcast from the authority needs every earlier check's word on who issues
   if (inlined) sums.slice(0, 0, d.numel).copy_(inlined->reshape(-1));
-  {
-    std::lock_guard<std::mutex> lock(lane_->mutex);
-    lane_->waiting = lane_->checking = true;
-  }
   exchange_check(sums);
-  {
-    std::lock_guard<std::mutex> lock(lane_->mutex);
-    lane_->waiting = lane_->checking = false;
-  }
   out = verify(sums, &d, position);
   if (inlined) inlined->copy_(sums.slice(0, 0, d.numel).view(inlined->sizes()));
-  std::lock_guard<std::mutex> lock(lane_->mutex);
-  ++lane_->passed;
+  pass_check();
   return out;
 }
 
+// Issued at once, the collective's check is held to it when it completes.
+void Channel::check_alongside(const Described& d, uint64_t position, torch::Tensor sums) {
+  while (!pending_.empty() && settle_oldest(pending_.size() >= kMaxPending)) {
+  }
+  auto pending = std::make_unique<Pending>();
+  pending->position = position;
+  pending->described = d;
+  pending->sums = sums;
+  pending->done = link_.sum_check_async(pending->sums, check_group_);
+  if (const auto& watch = link_.watch()) {
+    // Said at once, so that a rank whose collective hangs (NCCL, on a
+    // mismatch of sizes) is woken by its waits (CollectiveStream::wait).
+    pending->done->addCallback([watch, lane = link_.lane()->name, position, d, sums, offset = inline_,
+                                issuer = issuer_](c10::ivalue::Future& done) {
+      if (done.hasError() || all_agree(sums.data_ptr<double>() + offset, d.pieces)) return;
+      watch->mismatched(std::make_exception_ptr(CollectiveMismatch(watch->mismatch_line(lane, position, issuer, d.what))));
+    });
+  }
+  pending_.push_back(std::move(pending));
+  pass_check();
+}
+
 bool Channel::settle_oldest(bool block) {
-  if (watch_)
-    if (auto error = watch_->mismatch()) std::rethrow_exception(error);
+  if (const auto& watch = link_.watch())
+    if (auto error = watch->mismatch()) std::rethrow_exception(error);
   Pending& oldest = *pending_.front();
   if (!oldest.done->completed()) {
     if (!block) return false;
     oldest.done->wait();
   }
-  if (oldest.done->hasError()) explained(oldest.done->exception_ptr());
+  if (oldest.done->hasError()) std::rethrow_exception(link_.explained(oldest.done->exception_ptr()));
   const auto position = oldest.position;
   const Described d = oldest.described;
   const torch::Tensor sums = oldest.sums;
@@ -238,70 +304,49 @@ void Channel::settle() {
   while (!pending_.empty()) settle_oldest(true);
 }
 
-int Channel::serve_until_all_joined(bool stop_everyone) {
-  if (world_size() == 1) return 0;
-  TORCH_CHECK(check_ != Check::off, "serve_until_all_joined: the check is off");  // join() refuses that first
+std::optional<Channel::Issued> Channel::abstain(const Issuer& as) {
+  TORCH_CHECK(check_ != Check::off && world_size() > 1, "abstain: needs the check and another rank");
   settle();
-  uint64_t stamp;
-  {
-    std::lock_guard<std::mutex> lock(lane_->mutex);
-    stamp = lane_->passed;
+  const Issuer own = issuer_;
+  issuer_ = as;
+  const uint64_t position = enter_check(as.text);
+  torch::Tensor sums = check_tensor(nullptr);
+  exchange_check(sums);
+  const double* s = sums.data_ptr<double>() + inline_;
+  const double n = s[kIssuers];
+  Issued issued;
+  if (n > 0) {
+    const Outcome outcome = verify(sums, nullptr, position);
+    issued.op = static_cast<Op>(std::lround(s[kOp] / n));
+    issued.dtype = std::lround(s[kDtype] / n);
+    issued.numel = std::llround(s[kNumel] / n);
+    issued.root = outcome.root;
+    issued.tag = static_cast<int>(std::lround(s[kTag] / n));
+    issued.inlined = outcome.served;
+    issued.issuers = static_cast<int>(n);
+    if (issued.inlined) issued.sum = sums.slice(0, 0, issued.numel).clone();
   }
-  for (;;) {
-    uint64_t position;
-    {
-      std::lock_guard<std::mutex> lock(lane_->mutex);
-      position = lane_->passed;
-      lane_->what = kJoinedWords;
-      lane_->waiting = lane_->checking = true;
-    }
-    torch::Tensor sums = check_tensor(nullptr);
-    if (stop_everyone) sums[inline_ + kStop] = 1.0;
-    exchange_check(sums);
-    {
-      std::lock_guard<std::mutex> lock(lane_->mutex);
-      lane_->waiting = lane_->checking = false;
-    }
-    const double* s = sums.data_ptr<double>() + inline_;
-    const double n = s[kActive];
-    if (n == 0) break;  // every rank has joined
-    const Outcome checked = verify(sums, nullptr, position);
-    {
-      std::lock_guard<std::mutex> lock(lane_->mutex);
-      ++lane_->passed;
-    }
-    if (checked.served) continue;  // the sum travelled in the check, this rank's zeros with it
-    // What the active ranks issue, with nothing of this rank's in it.
-    const auto op = static_cast<Op>(std::lround(s[kOp] / n));
-    const auto dtype = std::lround(s[kDtype] / n);
-    torch::Tensor zeros;
-    if (dtype >= 0)
-      zeros = torch::zeros({static_cast<int64_t>(std::llround(s[kNumel] / n))},
-                           torch::TensorOptions(static_cast<c10::ScalarType>(dtype)).device(device_));
-    switch (op) {
-      case Op::allreduce: sum_unchecked(zeros)->waitAndThrow(); break;
-      case Op::broadcast: broadcast_unchecked(zeros, checked.root); break;
-      case Op::gather: gather_unchecked(zeros); break;
-      case Op::allgather: allgather_unchecked(zeros); break;
-      case Op::barrier:
-        if (check_ == Check::alongside) group_->barrier()->wait();
-        break;
-    }
-  }
-  // Every rank has joined: the one whose lane passed the most checks
-  // before joining joined last.
-  auto stamps = torch::zeros({world_size()}, torch::kFloat64);
-  stamps[rank()] = static_cast<double>(stamp);
-  exchange_check(stamps);
-  return static_cast<int>(stamps.argmax().item<int64_t>());
+  issuer_ = own;
+  pass_check();
+  if (n == 0) return std::nullopt;
+  return issued;
 }
 
-void Channel::issue(const char* kind, const torch::Tensor& tensor) {
-  if (!probe) return;
-  std::ostringstream s;
-  s << kind;
-  if (tensor.defined()) s << " " << tensor.scalar_type() << " " << tensor.sizes();
-  probe->issued(s.str());
+torch::Tensor Channel::serve(const Issued& issued) {
+  if (issued.inlined) return issued.sum;  // the sum travelled in the check, this rank's zeros with it
+  torch::Tensor zeros;
+  if (issued.dtype >= 0)
+    zeros = torch::zeros({issued.numel}, torch::TensorOptions(static_cast<c10::ScalarType>(issued.dtype)).device(device()));
+  switch (issued.op) {
+    case Op::allreduce: link_.allreduce_sum(zeros)->waitAndThrow(); break;
+    case Op::broadcast: link_.broadcast(zeros, issued.root); break;
+    case Op::gather: link_.gather_to_rank0(zeros); break;
+    case Op::allgather: zeros = link_.allgather(zeros); break;
+    case Op::barrier:
+      if (check_ == Check::alongside) link_.barrier();
+      break;
+  }
+  return zeros;
 }
 
 namespace {
@@ -321,32 +366,38 @@ std::vector<std::pair<std::string, std::string>> items_of(const std::string& tex
   return items;
 }
 
-// How rank `r`'s items first differ from rank `first`'s ("" where they do not).
-std::string first_difference(const std::vector<std::pair<std::string, std::string>>& zero,
-                             const std::vector<std::pair<std::string, std::string>>& theirs, int r, int first) {
-  const std::string who = "rank " + std::to_string(r), whom = "rank " + std::to_string(first);
-  for (size_t i = 0; i < std::max(zero.size(), theirs.size()); ++i) {
-    if (i < zero.size() && i < theirs.size() && zero[i] == theirs[i]) continue;
-    if (i < zero.size() && i < theirs.size() && zero[i].first == theirs[i].first)
-      return who + "'s " + zero[i].first + " is " + theirs[i].second + ", " + whom + "'s is " + zero[i].second;
-    const auto holds = [](const auto& items, const std::string& name) {
-      return std::find_if(items.begin(), items.end(), [&](const auto& item) { return item.first == name; });
-    };
-    if (i < theirs.size()) {
-      const auto in_zero = holds(zero, theirs[i].first);
-      if (in_zero == zero.end())
-        return who + " has " + theirs[i].first + " (" + theirs[i].second + "), " + whom + " has none";
-      if (in_zero->second == theirs[i].second && i < zero.size() && holds(theirs, zero[i].first) != theirs.end())
-        return who + " registers " + theirs[i].first + " where " + whom + " registers " + zero[i].first +
-               ": the same tensors in another order";
-    }
-    if (i < zero.size() && holds(theirs, zero[i].first) == theirs.end())
-      return who + " has no " + zero[i].first + ", " + whom + "'s is " + zero[i].second;
-    if (i < zero.size() && i < theirs.size())
-      return who + "'s " + theirs[i].first + " is " + theirs[i].second + " where " + whom + " has " + zero[i].first +
-             " (" + zero[i].second + ")";
-    return who + " has " + theirs[i].first + " (" + theirs[i].second + "), " + whom + " has none";
+using Items = std::vector<std::pair<std::string, std::string>>;
+
+Items::const_iterator holding(const Items& items, const std::string& name) {
+  return std::find_if(items.begin(), items.end(), [&](const auto& item) { return item.first == name; });
+}
+
+// How item `i` of rank `who`'s items differs from rank `whom`'s, where it does.
+std::string item_difference(const Items& zero, const Items& theirs, size_t i, const std::string& who,
+                            const std::string& whom) {
+  if (i < zero.size() && i < theirs.size() && zero[i].first == theirs[i].first)
+    return who + "'s " + zero[i].first + " is " + theirs[i].second + ", " + whom + "'s is " + zero[i].second;
+  if (i < theirs.size()) {
+    const auto in_zero = holding(zero, theirs[i].first);
+    if (in_zero == zero.end()) return who + " has " + theirs[i].first + " (" + theirs[i].second + "), " + whom + " has none";
+    if (in_zero->second == theirs[i].second && i < zero.size() && holding(theirs, zero[i].first) != theirs.end())
+      return who + " registers " + theirs[i].first + " where " + whom + " registers " + zero[i].first +
+             ": the same tensors in another order";
   }
+  if (i < zero.size() && holding(theirs, zero[i].first) == theirs.end())
+    return who + " has no " + zero[i].first + ", " + whom + "'s is " + zero[i].second;
+  if (i < zero.size() && i < theirs.size())
+    return who + "'s " + theirs[i].first + " is " + theirs[i].second + " where " + whom + " has " + zero[i].first +
+           " (" + zero[i].second + ")";
+  return who + " has " + theirs[i].first + " (" + theirs[i].second + "), " + whom + " has none";
+}
+
+// How rank `r`'s items first differ from rank `first`'s ("" where they do not).
+std::string first_difference(const Items& zero, const Items& theirs, int r, int first) {
+  const std::string who = "rank " + std::to_string(r), whom = "rank " + std::to_string(first);
+  for (size_t i = 0; i < std::max(zero.size(), theirs.size()); ++i)
+    if (!(i < zero.size() && i < theirs.size() && zero[i] == theirs[i]))
+      return item_difference(zero, theirs, i, who, whom);
   return "";
 }
 
@@ -357,8 +408,8 @@ std::string Channel::disagreement(const std::vector<std::pair<std::string, std::
   if (world_size() == 1) return "";
   std::string text;
   for (const auto& [name, value] : items) text += name + kItemField + value + kItemEnd;
-  const std::string issuer = issuer_;
-  issuer_ = subject + ": what every rank must share";
+  const Issuer issuer = issuer_;
+  issuer_ = Issuer(issuer.kind, issuer.model, issuer.index, subject + ": what every rank must share");
   const torch::Device where = staging();
   const auto lengths = allgather(torch::tensor({static_cast<int64_t>(text.size())}, torch::kInt64).to(where)).cpu();
   const int64_t longest = lengths.max().item<int64_t>();
@@ -370,7 +421,7 @@ std::string Channel::disagreement(const std::vector<std::pair<std::string, std::
     const auto* bytes = static_cast<const char*>(all[r].data_ptr());
     return std::string(bytes, static_cast<size_t>(lengths[r].item<int64_t>()));
   };
-  // A rank that has joined serves the allgathers with zeros: it said nothing.
+  // A rank that abstains serves the allgathers with zeros: it said nothing.
   int first = -1;
   for (int r = 0; r < world_size() && first < 0; ++r)
     if (lengths[r].item<int64_t>() > 0) first = r;

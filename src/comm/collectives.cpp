@@ -1,4 +1,9 @@
+// The CollectiveStream (collectives.hpp): its thread, its queue and its
+// waits; the Channel's check is in check.cpp, the Link's transfers in
+// link.cpp.
 #include "comm/collectives.hpp"
+
+#include <unistd.h>
 
 #include <deque>
 #include <sstream>
@@ -14,297 +19,149 @@ FuturePtr completed_future(const torch::Tensor& tensor) {
   return future;
 }
 
-Channel::Channel(GroupPtr group, torch::Device device, const Backend& backend, Check check,
-                 std::unique_ptr<SharedMemoryReducer> shared, GroupPtr check_group, std::shared_ptr<CollectiveWatch> watch,
-                 const std::string& lane)
-    : group_(std::move(group)),
-      device_(device),
-      backend_(backend),
-      check_(check),
-      shared_(std::move(shared)),
-      check_group_(check_group ? std::move(check_group) : group_),
-      watch_(std::move(watch)),
-      lane_(watch_ ? watch_->lane(lane) : std::make_shared<LaneState>(lane)),
-      inline_(check == Check::before ? kInline : 0),
-      active_(group_->getSize()) {}
-
-Channel::~Channel() = default;
-
-FuturePtr Channel::allreduce_sum(torch::Tensor tensor) {
-  const bool small_float = tensor.numel() <= inline_ && tensor.is_cpu() && !tensor.is_sparse() &&
-                           (tensor.scalar_type() == torch::kFloat || tensor.scalar_type() == torch::kDouble);
-  if (small_float && world_size() > 1 && !follows_checked()) {
-    issue("allreduce", tensor);
-    check(Op::allreduce, tensor, 0, &tensor);
-    return completed_future(tensor);
-  }
-  check(Op::allreduce, tensor, 0);
-  return sum_unchecked(std::move(tensor));
-}
-
-void Channel::await(const port::WorkPtr& work, bool whole) {
-  CollectiveWatch::Wait wait;
-  while (!whole) {
-    try {
-      work->wait(std::chrono::milliseconds(100));
-      return;
-    } catch (...) {
-      // The slice ran out, or the work failed (or completed just after the
-      // slice ran out): a completed work's plain wait says which.
-      if (work->isCompleted()) break;
-    }
-    if (watch_) watch_->stalled(*lane_, wait);
-  }
-  try {
-    work->wait();
-  } catch (...) {
-    explained(std::current_exception());
-  }
-}
-
-void Channel::explained(std::exception_ptr error) {
-  if (watch_) {
-    if (auto mismatch = watch_->mismatch()) std::rethrow_exception(mismatch);
-    error = watch_->explain_loss(*lane_, error);
-  }
-  std::rethrow_exception(error);
-}
-
-void Channel::finish(const port::WorkPtr& work, bool whole) {
-  if (backend_.on_device) {  // NCCL's wait in slices would abort its communicator
-    work->wait();
-    return;
-  }
-  struct Waiting {
-    LaneState& lane;
-    explicit Waiting(LaneState& l) : lane(l) { set(true); }
-    ~Waiting() { set(false); }
-    void set(bool on) {
-      std::lock_guard<std::mutex> lock(lane.mutex);
-      lane.waiting = on;
-    }
-  } waiting(*lane_);
-  await(work, whole);
-}
-
-FuturePtr Channel::sum_unchecked(torch::Tensor tensor) {
-  issue("allreduce", tensor);
-  if (shared_ && tensor.is_cpu() && !tensor.is_sparse()) {
-    torch::Tensor dense = tensor.contiguous();
-    shared_->allreduce_sum(dense);
-    if (!dense.is_same(tensor)) tensor.copy_(dense);
-    return completed_future(tensor);
-  }
-  const bool half = tensor.scalar_type() == torch::kHalf, bfloat = tensor.scalar_type() == torch::kBFloat16;
-  constexpr int64_t kRingFrom = 1 << 16;  // float16 elements
-  if (backend_.slow_16bit_sums && world_size() > 1 && !tensor.is_sparse() &&
-      ((half && tensor.numel() >= kRingFrom) || bfloat)) {
-    if (tensor.is_cpu()) {
-      ring_allreduce_sum(tensor);
-    } else {  // ranks sharing a GPU over Gloo
-      torch::Tensor cpu = tensor.cpu();
-      ring_allreduce_sum(cpu);
-      tensor.copy_(cpu);
-    }
-    return completed_future(tensor);
-  }
-  std::vector<at::Tensor> tensors{std::move(tensor)};
-  return group_->allreduce(tensors)->getFuture();
-}
-
-// Each rank sends 2 (W - 1) / W of the tensor, as Gloo's ring does.
-void Channel::ring_allreduce_sum(torch::Tensor& tensor) {
-  const int world = world_size(), me = rank();
-  const int next = (me + 1) % world, prev = (me + world - 1) % world;
-  const int64_t n = tensor.numel(), chunk = (n + world - 1) / world;
-  auto padded = torch::zeros({chunk * world}, tensor.options());
-  padded.slice(0, 0, n).copy_(tensor.reshape(-1));
-  auto chunks = padded.view({world, chunk});
-  auto incoming = torch::empty({chunk}, tensor.options());
-  const int64_t piece = kLinkPieceBytes / static_cast<int64_t>(tensor.element_size());
-  for (int s = 0; s < world - 1; ++s) {  // chunk (me - s - 1) collects every rank's part
-    const int64_t out = (me - s + world) % world, in = (me - s - 1 + world) % world;
-    exchange(chunks[out], next, incoming, prev, piece, kLinkPiecesInFlight);
-    chunks[in].copy_(chunks[in].to(torch::kFloat32).add_(incoming.to(torch::kFloat32)));
-  }
-  for (int s = 0; s < world - 1; ++s) {  // pass the finished chunks round
-    const int64_t out = (me + 1 - s + world) % world, in = (me - s + world) % world;
-    torch::Tensor finished = chunks[in];
-    exchange(chunks[out], next, finished, prev, piece, kLinkPiecesInFlight);
-  }
-  tensor.copy_(padded.slice(0, 0, n).view_as(tensor));
-}
-
-void Channel::broadcast(torch::Tensor& tensor, int root) {
-  broadcast_unchecked(tensor, check(Op::broadcast, tensor, root).root);
-}
-
-// `tensor` as the backend can move it: bfloat16 as the float16 of its bytes
-// where the backend does not know bfloat16 (a copy moves bytes alike).
-torch::Tensor Channel::movable(const torch::Tensor& tensor) const {
-  if (!backend_.bfloat16 && tensor.scalar_type() == torch::kBFloat16) return tensor.view(torch::kHalf);
-  return tensor;
-}
-
-void Channel::broadcast_unchecked(torch::Tensor& tensor, int root) {
-  issue("broadcast", tensor);
-  std::vector<at::Tensor> tensors{movable(tensor)};
-  c10d::BroadcastOptions opts;
-  opts.rootRank = root;
-  finish(group_->broadcast(tensors, opts));
-}
-
-std::vector<torch::Tensor> Channel::gather_to_rank0(const torch::Tensor& tensor) {
-  check(Op::gather, tensor, 0);
-  return gather_unchecked(tensor);
-}
-
-std::vector<torch::Tensor> Channel::gather_unchecked(const torch::Tensor& tensor) {
-  std::vector<at::Tensor> input{movable(tensor.to(staging()).contiguous())};
-  issue("gather", input[0]);
-  std::vector<std::vector<at::Tensor>> output;
-  if (rank() == 0) {
-    output.emplace_back();
-    for (int r = 0; r < world_size(); ++r) output[0].push_back(torch::empty_like(input[0]));
-  }
-  c10d::GatherOptions opts;
-  opts.rootRank = 0;
-  finish(group_->gather(output, input, opts));
-  std::vector<torch::Tensor> out;
-  if (!output.empty())
-    for (auto& t : output[0]) out.push_back(t.cpu().view(tensor.scalar_type()));
-  return out;
-}
-
-torch::Tensor Channel::allgather(const torch::Tensor& tensor) {
-  check(Op::allgather, tensor, 0);
-  return allgather_unchecked(tensor);
-}
-
-torch::Tensor Channel::allgather_unchecked(const torch::Tensor& tensor) {
-  std::vector<at::Tensor> input{movable(tensor.contiguous())};
-  issue("allgather", input[0]);
-  std::vector<std::vector<at::Tensor>> output(1);
-  for (int r = 0; r < world_size(); ++r) output[0].push_back(torch::empty_like(input[0]));
-  finish(group_->allgather(output, input));
-  return torch::stack(output[0]).view(tensor.scalar_type());
-}
-
-void Channel::exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from, int64_t piece, int depth) {
-  TORCH_CHECK(piece > 0 && depth > 0 && in.numel() == out.numel(), "exchange: bad pieces or sizes");
-  issue("exchange", out);
-  std::deque<std::pair<port::WorkPtr, port::WorkPtr>> in_flight;  // sent, received
-  auto finish_oldest = [&] {
-    finish(in_flight.front().second, true);
-    finish(in_flight.front().first, true);
-    in_flight.pop_front();
+struct CollectiveStream::Core {
+  Core(Channel c, const Backend& b, GroupPtr g) : channel(std::move(c)), backend(b), group(std::move(g)) {}
+  Channel channel;
+  const Backend& backend;
+  GroupPtr group;
+  struct Queued {
+    Ticket ticket;
+    Task task;
+    Issuer issuer;
+    Skipped skipped;  // told why, where the task is not run
   };
-  for (int64_t at = 0; at < out.numel(); at += piece) {
-    if (static_cast<int>(in_flight.size()) == depth) finish_oldest();
-    const int64_t end = std::min(out.numel(), at + piece);
-    std::vector<at::Tensor> send{out.slice(0, at, end)}, recv{in.slice(0, at, end)};
-    const int tag = tag_;
-    tag_ = (tag_ + 1) % (1 << 30);
-    auto sent = group_->send(send, to, tag);
-    in_flight.emplace_back(std::move(sent), group_->recv(recv, from, tag));
-  }
-  while (!in_flight.empty()) finish_oldest();
-}
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::deque<Queued> queue;
+  Ticket posted = 0;    // tickets [0, posted) were handed out
+  Ticket finished = 0;  // tasks [0, finished) have run (or were skipped)
+  std::exception_ptr error;
+  Ticket failed = 0;    // the first failed task, when error is set
+  bool error_seen = false;  // a wait has thrown it
+  std::map<Ticket, std::exception_ptr> refused;  // RefusedEverywhere, by task: only its wait throws it
+  bool stopping = false;
+  std::exception_ptr abandoned;  // abandon()'s reason
+  std::shared_ptr<StreamProbe> probe;  // the posting threads' view, under mutex
+};
 
-void Channel::barrier() {
-  issue("barrier", torch::Tensor());
-  // Checked before its transfer, the check is itself the barrier.
-  if (world_size() > 1 && check_ == Check::before) return void(check(Op::barrier, torch::Tensor(), 0));
-  check(Op::barrier, torch::Tensor(), 0);
-  finish(group_->barrier());
-}
-
-CollectiveStream::CollectiveStream(GroupPtr group, torch::Device device, const Backend& backend, Check check,
-                                   std::unique_ptr<SharedMemoryReducer> shared, GroupPtr check_group,
-                                   std::shared_ptr<CollectiveWatch> watch, const std::string& lane)
-    : rank_(group->getRank()),
-      world_size_(group->getSize()),
-      device_(device),
-      backend_(backend),
-      group_(group),
-      watch_(watch),
-      channel_(std::move(group), device, backend, check, std::move(shared), std::move(check_group), std::move(watch),
-               lane) {
-  thread_ = std::thread([this] { loop(); });
+CollectiveStream::CollectiveStream(Channel channel)
+    : rank_(channel.rank()),
+      world_size_(channel.world_size()),
+      device_(channel.device()),
+      shares_memory_(channel.shares_memory()),
+      watch_(channel.link().watch()),
+      lane_(channel.link().lane()) {
+  const Backend& backend = channel.link().backend();
+  GroupPtr group = channel.link().group();
+  core_ = std::make_shared<Core>(std::move(channel), backend, std::move(group));
+  thread_ = std::thread([core = core_] { loop(core); });
 }
 
 CollectiveStream::~CollectiveStream() {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+    std::lock_guard<std::mutex> lock(core_->mutex);
+    core_->stopping = true;
   }
-  cv_.notify_all();
+  core_->cv.notify_all();
+  if (std::this_thread::get_id() == thread_.get_id()) {
+    thread_.detach();  // a task held the last handle: the thread ends once this task returns
+    return;
+  }
   thread_.join();
-  if (!error_) backend_.shut_down(*group_);
+  if (!core_->error && !core_->abandoned) core_->backend.shut_down(*core_->group);
 }
 
-CollectiveStream::Ticket CollectiveStream::post(Task task, std::string issuer, Skipped skipped) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  if (const auto probe = probe_) {
+CollectiveStream::Ticket CollectiveStream::post(Task task, Issuer issuer, Skipped skipped) {
+  if (watch_) watch_->posting();
+  std::unique_lock<std::mutex> lock(core_->mutex);
+  if (const auto probe = core_->probe) {
     lock.unlock();
     probe->posting();
     lock.lock();
   }
-  const Ticket ticket = posted_++;
-  if (abandoned_) {  // never run: the loop may have ended
-    const auto why = abandoned_;
+  const Ticket ticket = core_->posted++;
+  if (core_->abandoned) {  // never run: the loop may have ended
+    const auto why = core_->abandoned;
     lock.unlock();
     if (skipped) skipped(why);
     return ticket;
   }
-  queue_.push_back(Queued{ticket, std::move(task), std::move(issuer), std::move(skipped)});
-  cv_.notify_all();
+  core_->queue.push_back(Core::Queued{ticket, std::move(task), std::move(issuer), std::move(skipped)});
+  core_->cv.notify_all();
   return ticket;
 }
 
 void CollectiveStream::wait(Ticket ticket) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  while (!cv_.wait_for(lock, std::chrono::milliseconds(200), [&] { return finished_ > ticket || abandoned_; }))
+  Core& core = *core_;
+  if (std::this_thread::get_id() == thread_.get_id())
+    throw UsageError("a collective was waited for on the thread that issues them (in a Work's callback, or a "
+                     "communication hook, calling the group's collectives): it would wait for itself; wait in the "
+                     "program's own thread, or use the hook's Wire");
+  CollectiveWatch::Blocked blocked(watch_.get());
+  std::unique_lock<std::mutex> lock(core.mutex);
+  while (!core.cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return core.finished > ticket || core.abandoned; }))
     if (watch_)
       if (auto mismatch = watch_->mismatch()) {
         // This lane's own tasks may never finish: none queued starts now
-        // (its caller, gone, may own what it would touch).
-        if (!error_) {
-          error_ = mismatch;
-          failed_ = finished_;
+        // (its poster, gone, may have stopped caring for its results).
+        if (!core.error) {
+          core.error = mismatch;
+          core.failed = core.finished;
         }
+        core.error_seen = true;
         std::rethrow_exception(mismatch);
       }
-  if (abandoned_ && finished_ <= ticket) std::rethrow_exception(abandoned_);
-  if (error_ && ticket >= failed_) std::rethrow_exception(error_);
+  if (core.abandoned && core.finished <= ticket) std::rethrow_exception(core.abandoned);
+  const auto refused = core.refused.find(ticket);
+  if (refused != core.refused.end()) {
+    const auto error = refused->second;
+    core.refused.erase(refused);
+    std::rethrow_exception(error);
+  }
+  if (core.error && ticket >= core.failed) {
+    core.error_seen = true;
+    std::rethrow_exception(core.error);
+  }
 }
 
 bool CollectiveStream::finished(Ticket ticket) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return finished_ > ticket;
+  std::lock_guard<std::mutex> lock(core_->mutex);
+  return core_->finished > ticket;
 }
 
 void CollectiveStream::abandon(std::exception_ptr why) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    abandoned_ = why;
-    if (!error_) {
-      error_ = why;
-      failed_ = posted_;
+    std::lock_guard<std::mutex> lock(core_->mutex);
+    core_->abandoned = why;
+    if (!core_->error) {
+      core_->error = why;
+      core_->failed = core_->posted;
+      core_->error_seen = true;
     }
-    stopping_ = true;
+    core_->stopping = true;
   }
-  cv_.notify_all();
+  core_->cv.notify_all();
 }
 
-void CollectiveStream::run(const Task& task, std::string issuer) { wait(post(task, std::move(issuer))); }
+void CollectiveStream::drain() {
+  if (std::this_thread::get_id() == thread_.get_id()) return;
+  std::unique_lock<std::mutex> lock(core_->mutex);
+  core_->cv.wait(lock, [&] { return core_->finished >= core_->posted || core_->abandoned; });
+}
+
+void CollectiveStream::abort_backend() { core_->backend.abort(*core_->group); }
+
+std::exception_ptr CollectiveStream::unseen_failure() {
+  std::lock_guard<std::mutex> lock(core_->mutex);
+  if (core_->error && !core_->error_seen) return core_->error;
+  if (!core_->refused.empty()) return core_->refused.begin()->second;
+  return nullptr;
+}
+
+void CollectiveStream::run(const Task& task, Issuer issuer) { wait(post(task, std::move(issuer))); }
 
 std::exception_ptr CollectiveStream::explained(std::exception_ptr error) {
-  try {
-    channel_.explained(std::move(error));
-  } catch (...) {
-    return std::current_exception();
-  }
+  return core_->channel.link().explained(std::move(error));
 }
 
 namespace {
@@ -324,61 +181,91 @@ std::exception_ptr in_our_words(std::exception_ptr thrown, const std::string& is
   }
 }
 
+// The lane marked as running a task while it lives.
+class LaneBusy {
+ public:
+  explicit LaneBusy(LaneState& lane) : lane_(lane) { set(true); }
+  ~LaneBusy() { set(false); }
+  LaneBusy(const LaneBusy&) = delete;
+  LaneBusy& operator=(const LaneBusy&) = delete;
+
+ private:
+  void set(bool busy) {
+    std::lock_guard<std::mutex> lock(lane_.mutex);
+    lane_.busy = busy;
+  }
+  LaneState& lane_;
+};
+
 }  // namespace
 
-void CollectiveStream::loop() {
-  use_device(device_);
+// Runs one task, recording how it ended: a failure stops the stream, a
+// RefusedEverywhere only its own wait.
+void run_task(CollectiveStream::Task& task, const Issuer& issuer, Channel& channel, std::exception_ptr& failed,
+              bool& refused) {
+  if (auto probe = channel.link().probe) probe->running();
+  channel.set_issuer(issuer);
+  LaneBusy busy(*channel.link().lane());
+  try {
+    task(channel);
+  } catch (const RefusedEverywhere&) {
+    failed = std::current_exception();
+    refused = true;
+  } catch (...) {
+    failed = in_our_words(std::current_exception(), issuer.text);
+  }
+}
+
+void CollectiveStream::loop(const std::shared_ptr<Core>& core) {
+  use_device(core->channel.device());
   for (;;) {
-    Queued next;
-    bool skip = false;
+    Core::Queued next;
+    std::exception_ptr skip;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      next = std::move(queue_.front());
-      queue_.pop_front();
-      skip = error_ != nullptr;
+      std::unique_lock<std::mutex> lock(core->mutex);
+      core->cv.wait(lock, [&] { return core->stopping || !core->queue.empty(); });
+      if (core->queue.empty() || core->abandoned) return;
+      next = std::move(core->queue.front());
+      core->queue.pop_front();
+      skip = core->error;
     }
-    if (skip && next.skipped) {  // outside the lock: the future's callbacks may post
-      std::exception_ptr why;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        why = error_;
-      }
-      next.skipped(why);
+    std::exception_ptr failed;
+    bool refused = false;
+    if (skip) {
+      if (next.skipped) next.skipped(skip);  // outside the lock: the future's callbacks may post
+    } else {
+      run_task(next.task, next.issuer, core->channel, failed, refused);
     }
-    if (!skip) {
-      if (channel_.probe) channel_.probe->running();
-      channel_.set_issuer(next.issuer);
-      try {
-        next.task(channel_);
-      } catch (...) {
-        const std::exception_ptr error = in_our_words(std::current_exception(), next.issuer);
-        std::lock_guard<std::mutex> lock(mutex_);
-        error_ = error;
-        failed_ = next.ticket;
-      }
-    }
+    const Ticket ticket = next.ticket;
+    next = Core::Queued{};  // what the task held goes before it counts as finished
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      finished_ = next.ticket + 1;
+      std::lock_guard<std::mutex> lock(core->mutex);
+      if (failed && refused) {
+        core->refused[ticket] = failed;
+      } else if (failed && !core->error) {
+        core->error = failed;
+        core->failed = ticket;
+      }
+      core->finished = ticket + 1;
     }
-    cv_.notify_all();
+    core->cv.notify_all();
   }
 }
 
 std::pair<CollectiveStream::Ticket, FuturePtr> CollectiveStream::post_for(std::function<c10::IValue(Channel&)> task,
-                                                                         std::string issuer) {
+                                                                         Issuer issuer) {
   auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-  const std::string who = issuer;
+  const std::string who = issuer.text;
   const Ticket ticket = post(
       [task = std::move(task), future, who](Channel& c) {
+        c10::IValue value;
         try {
-          future->markCompleted(task(c));
+          value = task(c);
         } catch (...) {
           future->setError(in_our_words(std::current_exception(), who));
           throw;
         }
+        future->markCompleted(std::move(value));  // its callbacks run here: one that waits on this stream is refused
       },
       std::move(issuer), [future](std::exception_ptr why) { future->setErrorIfNeeded(why); });
   return {ticket, future};
@@ -387,28 +274,28 @@ std::pair<CollectiveStream::Ticket, FuturePtr> CollectiveStream::post_for(std::f
 // The conveniences' tasks hold what they touch (tensors share their
 // storage; results go through a shared cell): a wait may throw while its
 // task still runs (another lane's mismatch), and the caller's frame is gone.
-void CollectiveStream::allreduce_sum(torch::Tensor& tensor, std::string issuer) {
+void CollectiveStream::allreduce_sum(torch::Tensor& tensor, Issuer issuer) {
   run([tensor](Channel& c) { c.allreduce_sum(tensor)->waitAndThrow(); }, std::move(issuer));
 }
 
-void CollectiveStream::broadcast(torch::Tensor& tensor, int root, std::string issuer) {
+void CollectiveStream::broadcast(torch::Tensor& tensor, int root, Issuer issuer) {
   run([tensor, root](Channel& c) mutable { c.broadcast(tensor, root); }, std::move(issuer));
 }
 
-std::vector<torch::Tensor> CollectiveStream::gather_to_rank0(const torch::Tensor& tensor, std::string issuer) {
+std::vector<torch::Tensor> CollectiveStream::gather_to_rank0(const torch::Tensor& tensor, Issuer issuer) {
   auto out = std::make_shared<std::vector<torch::Tensor>>();
   run([out, tensor](Channel& c) { *out = c.gather_to_rank0(tensor); }, std::move(issuer));
   return std::move(*out);
 }
 
-torch::Tensor CollectiveStream::allgather(const torch::Tensor& tensor, std::string issuer) {
+torch::Tensor CollectiveStream::allgather(const torch::Tensor& tensor, Issuer issuer) {
   auto out = std::make_shared<torch::Tensor>();
   run([out, tensor](Channel& c) { *out = c.allgather(tensor); }, std::move(issuer));
   return *out;
 }
 
 std::string CollectiveStream::disagreement(std::vector<std::pair<std::string, std::string>> items, std::string subject,
-                                           std::string advice, std::string issuer) {
+                                           std::string advice, Issuer issuer) {
   auto out = std::make_shared<std::string>();
   run([out, items = std::move(items), subject = std::move(subject), advice = std::move(advice)](
           Channel& c) { *out = c.disagreement(items, subject, advice); },
@@ -416,7 +303,7 @@ std::string CollectiveStream::disagreement(std::vector<std::pair<std::string, st
   return *out;
 }
 
-void CollectiveStream::broadcast_bytes(std::vector<char>& bytes, std::string issuer) {
+void CollectiveStream::broadcast_bytes(std::vector<char>& bytes, Issuer issuer) {
   auto cell = std::make_shared<std::vector<char>>(bytes);
   run(
       [cell, rank = rank_](Channel& c) {
@@ -437,16 +324,16 @@ void CollectiveStream::broadcast_bytes(std::vector<char>& bytes, std::string iss
   bytes = std::move(*cell);
 }
 
-void CollectiveStream::barrier(std::string issuer) {
+void CollectiveStream::barrier(Issuer issuer) {
   run([](Channel& c) { c.barrier(); }, std::move(issuer));
 }
 
 void CollectiveStream::watch(std::shared_ptr<StreamProbe> probe) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    probe_ = probe;
+    std::lock_guard<std::mutex> lock(core_->mutex);
+    core_->probe = probe;
   }
-  run([probe](Channel& c) { c.probe = probe; });
+  run([probe](Channel& c) { c.link().probe = probe; });
 }
 
 }  // namespace mnist_ddp

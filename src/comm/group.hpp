@@ -52,8 +52,10 @@ struct ProcessGroup::State {
 struct GroupAccess {
   using State = ProcessGroup::State;
   static ProcessGroup make(std::shared_ptr<State> state) { return ProcessGroup(std::move(state)); }
-  static State& state(const ProcessGroup& group) { return *group.state(); }
-  static std::shared_ptr<State> share(const ProcessGroup& group) { return group.state(); }
+  static State& state(const ProcessGroup& group) { return *group.state_; }
+  static std::shared_ptr<State> share(const ProcessGroup& group) { return group.state_; }
+  static Work work(std::shared_ptr<Work::State> state) { return Work(std::move(state)); }
+  static Work::State& state(const Work& work) { return *work.state_; }
 };
 using GroupState = GroupAccess::State;
 

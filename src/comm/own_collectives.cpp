@@ -45,7 +45,7 @@ Work post(const GroupState& s, const std::string& issuer, std::function<c10::IVa
   auto state = std::make_shared<Work::State>();
   state->stream = s.quick;
   std::tie(state->ticket, state->future) = s.quick->post_for(std::move(task), issuer);
-  return Work(std::move(state));
+  return GroupAccess::work(std::move(state));
 }
 
 }  // namespace
@@ -118,9 +118,18 @@ void ProcessGroup::shutdown() const {
   GroupState& s = base_of(*this);
   s.shut_down = true;
   const auto why = std::make_exception_ptr(PeerLost("the process group was shut down (ProcessGroup::shutdown)"));
-  if (s.watch) s.watch->mismatched(why);  // every collective waiting in a check or a transfer ends with it
+  std::vector<std::shared_ptr<CollectiveStream>> streams;
   for (const auto& weak : s.streams)
-    if (auto stream = weak.lock()) stream->abandon(why);
+    if (auto stream = weak.lock()) streams.push_back(std::move(stream));
+  for (const auto& stream : streams) stream->abandon(why);
+  // Every collective waiting in a check or a transfer ends with it; NCCL's
+  // communicators are aborted, so that kernels waiting on a peer return.
+  if (s.watch)
+    s.watch->shut_down(why, [streams] {
+      for (const auto& stream : streams) stream->abort_backend();
+    });
+  else
+    for (const auto& stream : streams) stream->abort_backend();
 }
 
 std::optional<ProcessGroup> new_group(const ProcessGroup& group, std::vector<int> ranks) {

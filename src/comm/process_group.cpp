@@ -4,6 +4,8 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <unistd.h>
+
 #include <condition_variable>
 #include <mutex>
 #include <stdexcept>
@@ -62,8 +64,9 @@ std::shared_ptr<CollectiveStream> make_stream(GroupState& s, const std::string& 
   GroupPtr check_group;
   if (s.world_size > 1 && s.check != Check::off && !shared && (backend.on_device || !blocking))
     check_group = form_group(s, backend_named("gloo"), c10::make_intrusive<c10d::PrefixStore>(name + "/check", s.store));
-  auto stream = std::make_shared<CollectiveStream>(group, s.device, backend, s.check, std::move(shared),
-                                                   std::move(check_group), s.watch, lane);
+  auto lane_state = s.watch ? s.watch->lane(lane) : std::make_shared<LaneState>(lane);
+  Link link(group, s.device, backend, std::move(shared), s.watch, std::move(lane_state));
+  auto stream = std::make_shared<CollectiveStream>(Channel(std::move(link), s.check, std::move(check_group)));
   s.streams.push_back(stream);
   return stream;
 }
@@ -79,9 +82,43 @@ const std::string& ProcessGroup::backend() const { return state_->backend; }
 std::chrono::milliseconds ProcessGroup::timeout() const { return state_->timeout; }
 int ProcessGroup::restart() const { return state_->restart; }
 const std::string& ProcessGroup::launcher() const { return state_->launcher; }
+namespace {
+
+// A failure no wait ever threw (Works nobody waited on): named in one line,
+// and the process ends 1, as ProcessGroupNCCL's watchdog ends a process
+// whose collectives failed unseen. The others are told this rank ended
+// with an error first.
+void name_unseen_failures(GroupState& s) {
+  std::vector<std::shared_ptr<CollectiveStream>> held;
+  for (const auto& weak : s.streams)
+    if (auto stream = weak.lock()) held.push_back(std::move(stream));
+  for (const auto& stream : held) {
+    stream->drain();  // a task still running may yet fail
+    const std::exception_ptr unseen = stream->unseen_failure();
+    if (!unseen) continue;
+    std::string what = "a collective failed";
+    try {
+      std::rethrow_exception(unseen);
+    } catch (const std::exception& e) {
+      what = error_line(e);
+    }
+    const std::string line = "[rank " + std::to_string(s.rank) + "] mnist_ddp: " + what +
+                             " (a collective nobody waited for: the program ended without seeing it)\n";
+    if (s.watch) s.watch->ended(false);
+    if (::write(2, line.data(), line.size()) < 0) {
+      // Nowhere to say it: the exit status still does.
+    }
+    std::_Exit(1);
+  }
+}
+
+}  // namespace
+
 ProcessGroup::State::~State() {
+  const bool unwinding = std::uncaught_exceptions() > 0;
+  if (!shut_down && !unwinding && !base) name_unseen_failures(*this);
   // A view has no watch of its own: its base says it.
-  if (watch) watch->ended(!shut_down && std::uncaught_exceptions() == 0);
+  if (watch) watch->ended(!shut_down && !unwinding);
   if (!shut_down && !(base && base->shut_down)) return;
   // Shut down (a view: its base): a stream's thread may still wait on a
   // peer; it and its stream are left to the process's end.

@@ -11,6 +11,7 @@
 #include "base/port.hpp"
 #include "base/require.hpp"
 #include "comm/group.hpp"
+#include "parallel/advice.hpp"
 
 namespace mnist_ddp {
 
@@ -57,6 +58,7 @@ std::string autocast_unsupported(const torch::Device& device, c10::ScalarType dt
 
 GradScaler::GradScaler(ProcessGroup group, GradScalerOptions options)
     : group_(std::move(group)), options_(std::move(options)), scale_(options_.init_scale()) {
+  use_library_advice();
   MNIST_DDP_REQUIRE(scale_ > 0 && options_.growth_factor() > 1 && options_.backoff_factor() > 0 &&
                   options_.backoff_factor() < 1 && options_.growth_interval() > 0,
               "GradScaler: init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval > 0");
@@ -83,12 +85,12 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
       << options_.backoff_factor() << ", growth_interval " << options_.growth_interval();
     const std::string difference = quick_stream(group_)->disagreement(
         {{"options", o.str()}, {"scale", std::to_string(scale_)}}, "GradScaler",
-        "every rank must make its GradScaler with the same options and state", "GradScaler's first step");
+        "every rank must make its GradScaler with the same options and state", Issuer(kScalerVote, 0, -1, "GradScaler's first step"));
     if (!difference.empty()) throw UsageError(difference);
     agreed_ = true;
   }
   auto any = (found.defined() ? found.reshape({1}) : torch::zeros({1}, torch::kFloat64)).to(group_.device());
-  quick_stream(group_)->allreduce_sum(any, "GradScaler's vote on skipping the step");
+  quick_stream(group_)->allreduce_sum(any, Issuer(kScalerVote, 0, -1, "GradScaler's vote on skipping the step"));
   found_inf_ = any.cpu().item<double>() > 0;
   if (found_inf_) {
     ++skipped_;

@@ -1,6 +1,6 @@
-// DistributedDataParallel's public face, the bucket assignment, what ranks
-// compare at the start, the replica check and join(); the Reducer's
-// machinery is in reducer.cpp.
+// DistributedDataParallel's public face, what ranks compare at the start,
+// and the replica check; the Reducer's machinery is in reducer.cpp, join()
+// in join.cpp.
 #include "parallel/reducer.hpp"
 
 #include <algorithm>
@@ -17,31 +17,6 @@ namespace mnist_ddp {
 
 using detail::Reducer;
 
-
-std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<int64_t>& sizes_bytes,
-                                                           int64_t first_cap_bytes, int64_t cap_bytes,
-                                                           const std::vector<int>& kinds) {
-  struct Open {
-    std::vector<size_t> tensors;
-    int64_t filled = 0;
-    bool first = true;  // the kind's first bucket
-  };
-  std::map<int, Open> open;  // kind -> its bucket being filled
-  std::vector<std::vector<size_t>> buckets;
-  for (size_t i = 0; i < sizes_bytes.size(); ++i) {
-    Open& b = open[kinds.empty() ? 0 : kinds[i]];
-    b.tensors.push_back(i);
-    b.filled += sizes_bytes[i];
-    if (b.filled >= (b.first ? first_cap_bytes : cap_bytes)) {
-      buckets.push_back(std::move(b.tensors));
-      b = Open{{}, 0, false};
-    }
-  }
-  for (auto& [kind, b] : open)
-    if (!b.tensors.empty()) buckets.push_back(std::move(b.tensors));
-  std::sort(buckets.begin(), buckets.end(), [](const auto& a, const auto& b) { return a.front() < b.front(); });
-  return buckets;
-}
 
 uint64_t checksum(const std::vector<torch::Tensor>& tensors) {
   uint64_t hash = 0xcbf29ce484222325ull;
@@ -72,7 +47,9 @@ void Reducer::check_bypass() {
   if (!bypassed_at_) return;
   const uint64_t then = *bypassed_at_;
   bypassed_at_.reset();
-  if (checksum(params_) != then)
+  std::vector<torch::Tensor> tensors;
+  for (const auto& p : params_) tensors.push_back(p.tensor);
+  if (checksum(tensors) != then)
       throw UsageError("backward through model->forward: gradients were not averaged; call ddp.forward (a "
                        "backward reached the parameters of a DistributedDataParallel without a ddp.forward, and "
                        "they have changed since, as an optimizer step on those gradients changes them)");
@@ -85,7 +62,7 @@ void Reducer::check_bypass() {
 void Reducer::check_replicas(const std::string& when) {
   check_bypass();
   torch::NoGradGuard no_grad;
-  const std::string issuer = this->issuer("the replica check");
+  const Issuer issuer = this->issuer(kReplicaCheck, "the replica check");
   std::vector<std::string> names;
   std::vector<torch::Tensor> tensors;
   for (const auto& [name, t] : synced(module_->named_parameters())) {
@@ -170,70 +147,6 @@ std::vector<std::pair<std::string, std::string>> Reducer::description() const {
   return items;
 }
 
-// Note on join. A rank whose loop has ended serves, on every stream of the
-// group, whatever the active ranks' checks say they issue, with zeros
-// (collectives.hpp, "Note on the check"), until every rank has joined;
-// each lane names the rank that joined last (the most collectives passed
-// before joining). That rank stepped the most: the others take its
-// parameters, buffers and hook state, so the replicas end identical, as
-// PyTorch's join broadcasts the last rank's model.
-void Reducer::join(const std::function<void()>& loop, const JoinOptions& options) {
-  if (!options.enable() || group_.world_size() == 1) return loop();
-  if (GroupAccess::state(group_).check == Check::off)
-    throw UsageError("ddp.join() needs the collective check, which tells a rank whose data ran out what the others "
-                     "issue: leave ProcessGroupOptions().check_collectives on");
-  if (std::find(sparse_.begin(), sparse_.end(), true) != sparse_.end())
-    throw UsageError("ddp.join(): a model with sparse gradients cannot be joined (a rank that ran out cannot serve a "
-                     "sparse sum whose shape it does not know); give every rank as many batches");
-  divide_by_active_ = !options.divide_by_initial_world_size();
-  try {
-    loop();
-  } catch (...) {
-    divide_by_active_ = false;
-    throw;
-  }
-  divide_by_active_ = false;
-  check_bypass();
-  const auto streams = streams_of(group_);
-  std::vector<int> last(streams.size(), 0);
-  std::vector<CollectiveStream::Ticket> tickets;
-  const bool stop = options.throw_on_early_termination();
-  for (size_t i = 0; i < streams.size(); ++i)
-    tickets.push_back(streams[i]->post([&last, i, stop](Channel& c) { last[i] = c.serve_until_all_joined(stop); },
-                                       "ddp.join(): its data ran out"));
-  for (size_t i = 0; i < streams.size(); ++i) streams[i]->wait(tickets[i]);
-  int source = 0;
-  for (size_t i = 0; i < streams.size(); ++i)
-    if (streams[i] == stream_) source = last[i];
-  if (group_.world_size() == 1) return;
-  torch::NoGradGuard no_grad;
-  const std::string issuer = "ddp.join(): the state of rank " + std::to_string(source) + ", which joined last";
-  for (const auto& [name, t] : synced(module_->named_parameters())) {
-    torch::Tensor value = t.is_complex() ? torch::view_as_real(t.detach()) : t.detach();
-    quick_->broadcast(value, source, issuer);
-  }
-  for (auto& t : buffers_) quick_->broadcast(t, source, issuer);
-  // The hook's shared state (PowerSGD's step count, P and Q): the last
-  // rank's; each rank's own (its error feedback) stays its own.
-  hooks::HookState state = hook_->state();
-  c10::Dict<std::string, torch::Tensor> shared;
-  for (const auto& [key, t] : state.shared) shared.insert(key, t.detach().cpu());
-  std::vector<char> bytes = group_.rank() == source ? torch::pickle_save(c10::IValue(shared)) : std::vector<char>();
-  auto size = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kInt64).to(quick_->device());
-  quick_->broadcast(size, source, issuer);
-  const int64_t n = size.cpu().item<int64_t>();
-  if (n == 0) return;
-  bytes.resize(static_cast<size_t>(n));
-  auto data = torch::from_blob(bytes.data(), {n}, torch::kUInt8).to(quick_->device(), false, /*copy=*/true);
-  quick_->broadcast(data, source, issuer);
-  const auto cpu = data.cpu();
-  bytes.assign(static_cast<const char*>(cpu.data_ptr()), static_cast<const char*>(cpu.data_ptr()) + n);
-  state.shared.clear();
-  for (const auto& item : torch::pickle_load(bytes).toGenericDict())
-    state.shared[item.key().toStringRef()] = item.value().toTensor();
-  hook_->load_state(state);
-}
-
 // ---- DistributedDataParallelBase: the public face of a Reducer ----
 
 DistributedDataParallelBase::DistributedDataParallelBase(std::shared_ptr<torch::nn::Module> module,
@@ -266,5 +179,7 @@ void DistributedDataParallelBase::after_forward(const std::vector<at::Tensor>& o
 hooks::WireStats DistributedDataParallelBase::wire_stats() const { return reducer_->wire(); }
 double DistributedDataParallelBase::communication_wait_seconds() const { return reducer_->communication_wait_seconds(); }
 std::vector<std::string> DistributedDataParallelBase::describe_buckets() const { return reducer_->describe_buckets(); }
+
+detail::Reducer& reducer_of(const DistributedDataParallelBase& ddp) { return *detail::ReducerAccess::of(ddp); }
 
 }  // namespace mnist_ddp

@@ -1,20 +1,18 @@
-// The Reducer's construction and its buckets (reducer.hpp); forward,
-// backward and averaging are in averaging.cpp.
+// The Reducer's construction, forward and backward (reducer.hpp).
 #include "parallel/reducer.hpp"
 
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <map>
 #include <set>
-#include <sstream>
+#include <unordered_set>
 
 #include "mnist_ddp/base/errors.hpp"
 #include "mnist_ddp/parallel/sync_batch_norm.hpp"
-#include "parallel/norm.hpp"
 #include "comm/group.hpp"
 
 namespace mnist_ddp {
@@ -45,21 +43,6 @@ class AccumulatorHook : public torch::autograd::FunctionPreHook, public torch::a
   std::function<void(Reducer&)> call_;
 };
 
-// A tensor of `type` over part of `buffer`'s memory (from `offset`
-// elements of the buffer's) that autograd does not treat as a view, so
-// optimizers may detach_() and zero_() it in place. It keeps the buffer
-// alive. A complex one lies over twice as many of the buffer's reals.
-torch::Tensor alias(const torch::Tensor& buffer, int64_t offset, at::IntArrayRef sizes, c10::ScalarType type) {
-  auto* data = static_cast<char*>(buffer.data_ptr()) + offset * buffer.element_size();
-  return torch::from_blob(data, sizes, [keep = buffer](void*) {}, buffer.options().dtype(type));
-}
-
-std::string megabytes(int64_t bytes) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.2f MB", static_cast<double>(bytes) / (1024.0 * 1024.0));
-  return text;
-}
-
 // The modules whose parameters some DistributedDataParallel averages: one
 // model wrapped twice would average its gradients twice, or not at all.
 std::mutex g_wrapped_mutex;
@@ -68,13 +51,26 @@ std::set<const torch::nn::Module*>& wrapped() {
   return modules;
 }
 
+// The weights of Embeddings and EmbeddingBags with sparse(true).
+std::set<const void*> sparse_weights(torch::nn::Module& module) {
+  std::set<const void*> weights;
+  for (const auto& item : module.named_modules()) {
+    if (const auto* e = dynamic_cast<const torch::nn::EmbeddingImpl*>(item.value().get()); e && e->options.sparse())
+      weights.insert(e->weight.unsafeGetTensorImpl());
+    if (const auto* e = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(item.value().get()); e && e->options.sparse())
+      weights.insert(e->weight.unsafeGetTensorImpl());
+  }
+  return weights;
+}
+
+int64_t mib(double mb) {  // bucket caps: a number of MiB, finite and positive (checked), in bytes
+  return static_cast<int64_t>(std::min(mb, 1e12) * 1024 * 1024);
+}
+
 }  // namespace
 
-// Every rank gets the authority's `tensors` (rank 0's, or while ranks have
-// joined the highest active rank's): one broadcast per dtype, complex
-// tensors as their real and imaginary parts.
 void broadcast_from_authority(CollectiveStream& stream, const std::vector<torch::Tensor>& tensors,
-                              const std::string& issuer) {
+                              const Issuer& issuer) {
   if (stream.world_size() == 1 || tensors.empty()) return;
   torch::NoGradGuard no_grad;
   std::map<c10::ScalarType, std::vector<torch::Tensor>> by_type;
@@ -93,8 +89,6 @@ void broadcast_from_authority(CollectiveStream& stream, const std::vector<torch:
   }
 }
 
-// The parameters and buffers of `module` by tensor (a tensor registered
-// twice, tied weights, counts once), in registration order, with names.
 std::vector<std::pair<std::string, torch::Tensor>> distinct_named(
     const torch::OrderedDict<std::string, torch::Tensor>& named) {
   std::vector<std::pair<std::string, torch::Tensor>> out;
@@ -122,16 +116,19 @@ std::shared_ptr<Reducer> Reducer::create(std::shared_ptr<torch::nn::Module> modu
 }
 
 Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, ProcessGroup group, DdpOptions options)
-    : module_(std::move(module)),
-      group_(std::move(group)),
-      options_(std::move(options)),
-      hook_(hooks::allreduce()) {}
+    : module_(std::move(module)), group_(std::move(group)), options_(std::move(options)) {}
+
+Reducer::~Reducer() {
+  std::lock_guard<std::mutex> lock(g_wrapped_mutex);
+  if (registered_) wrapped().erase(module_.get());
+}
 
 void Reducer::init() {
-  if (!module_) throw UsageError("DistributedDataParallel: the module is null");
-  if (!(options_.bucket_cap_mb() > 0) || !(options_.first_bucket_cap_mb() > 0))
-    throw UsageError("DistributedDataParallel: bucket_cap_mb and first_bucket_cap_mb must be positive");
-  const torch::Device& device = group_.device();
+  use_library_advice();
+  if (!module_) throw UsageError("DistributedDataParallel: the module is null (an empty module holder?)");
+  for (const double cap : {options_.bucket_cap_mb(), options_.first_bucket_cap_mb()})
+    if (!(cap > 0) || !std::isfinite(cap))
+      throw UsageError("DistributedDataParallel: bucket_cap_mb and first_bucket_cap_mb must be positive numbers of MiB");
   for (const auto& name : options_.params_to_ignore()) {
     auto named = [&](const auto& list) {
       return std::any_of(list.begin(), list.end(), [&](const auto& item) { return item.first == "module." + name; });
@@ -139,27 +136,39 @@ void Reducer::init() {
     if (!named(distinct_named(module_->named_parameters())) && !named(distinct_named(module_->named_buffers())))
       throw UsageError("DistributedDataParallel: params_to_ignore names " + name + ", which the module does not have");
   }
-  const auto params = synced(module_->named_parameters());
+  collect_parameters();
+  claim_module();
+  const ProcessGroup given = group_;
+  std::tie(group_, model_) = model_group(given);
+  stream_ = bulk_stream(group_);
+  quick_ = quick_stream(group_);
+  averager_ = std::make_shared<Averager>(stream_, model_);
+  compare_and_broadcast(given);
+  // Buckets in reverse registration order: roughly the order in which
+  // backward produces gradients.
+  std::vector<size_t> order(params_.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = params_.size() - 1 - k;
+  iteration_ = std::make_unique<Iteration>(params_.size(), options_.find_unused_parameters(), options_.static_graph(),
+                                            static_cast<Iteration::Effects&>(*this));
+  make_buckets(order);
+  hook_accumulators();
+}
+
+void Reducer::collect_parameters() {
+  const torch::Device& device = group_.device();
   auto on_device = [&](const std::string& what, const std::string& name, const torch::Tensor& t) {
     if (t.device() != device)
       throw UsageError("DistributedDataParallel: " + what + " " + name + " is on " + t.device().str() +
                        ", the process group's device is " + device.str() + ": call model->to(group.device()) first");
   };
-  std::set<const void*> sparse_weights;  // Embeddings' and EmbeddingBags' with sparse(true)
-  for (const auto& item : module_->named_modules()) {
-    if (const auto* e = dynamic_cast<const torch::nn::EmbeddingImpl*>(item.value().get()); e && e->options.sparse())
-      sparse_weights.insert(e->weight.unsafeGetTensorImpl());
-    if (const auto* e = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(item.value().get()); e && e->options.sparse())
-      sparse_weights.insert(e->weight.unsafeGetTensorImpl());
-  }
-  for (const auto& [name, t] : params) {
+  const auto sparse = sparse_weights(*module_);
+  for (const auto& [name, t] : synced(module_->named_parameters())) {
     on_device("parameter", name, t);
     if (!t.requires_grad()) continue;  // frozen: in no bucket
     if (!t.is_floating_point() && !t.is_complex())
       throw UsageError("DistributedDataParallel: parameter " + name + " requires a gradient but is not floating-point");
-    params_.push_back(t);
-    param_names_.push_back(name);
-    sparse_.push_back(sparse_weights.count(t.unsafeGetTensorImpl()) > 0);
+    params_.push_back({t, name.substr(7), sparse.count(t.unsafeGetTensorImpl()) > 0});
+    names_.push_back(name.substr(7));
   }
   if (params_.empty())
     throw UsageError("DistributedDataParallel is not needed when a module doesn't have any parameter that requires "
@@ -168,189 +177,283 @@ void Reducer::init() {
     on_device("buffer", name, t);
     buffers_.push_back(t);
   }
-  {
-    std::lock_guard<std::mutex> lock(g_wrapped_mutex);
-    if (!wrapped().insert(module_.get()).second)
-      throw UsageError("DistributedDataParallel: this module is wrapped in another DistributedDataParallel already; "
-                       "wrap each model once");
-    registered_ = true;
-  }
-  const ProcessGroup given = group_;
-  std::tie(group_, model_) = model_group(given);
-  stream_ = bulk_stream(group_);
-  quick_ = quick_stream(group_);
+}
 
-  // Every rank wraps the same model, with the same options: compared before
-  // anything of a size another rank does not expect is sent.
-  const std::string difference =
-      quick_->disagreement(description(), "DistributedDataParallel", kSameModel, issuer("DistributedDataParallel's start"));
+void Reducer::claim_module() {
+  std::lock_guard<std::mutex> lock(g_wrapped_mutex);
+  if (!wrapped().insert(module_.get()).second)
+    throw UsageError("DistributedDataParallel: this module is wrapped in another DistributedDataParallel already; "
+                     "wrap each model once");
+  registered_ = true;
+}
+
+// Every rank wraps the same model, with the same options: compared before
+// anything of a size another rank does not expect is sent. Then every rank
+// starts from rank 0's state: its parameters (frozen ones too) and buffers.
+void Reducer::compare_and_broadcast(const ProcessGroup& given) {
+  const std::string difference = quick_->disagreement(description(), "DistributedDataParallel", kSameModel,
+                                                      issuer(kDdpStart, "DistributedDataParallel's start"));
   if (!difference.empty()) throw UsageError(difference);
-
-  // Every rank starts from rank 0's state: its parameters (frozen ones too)
-  // and buffers.
-  std::vector<torch::Tensor> state;
-  for (const auto& [name, t] : params) state.push_back(t);
-  for (const auto& t : buffers_) state.push_back(t);
-  broadcast_from_authority(*quick_, state, issuer("DistributedDataParallel's start: rank 0's parameters and buffers"));
-
+  broadcast_from_authority(*quick_, state_tensors(),
+                           issuer(kDdpStart, "DistributedDataParallel's start: rank 0's parameters and buffers"));
   // A SyncBatchNorm that names no group (or this DDP's) takes this model's
   // view of it, and its name in the model, for what its collectives say of
   // themselves.
   for (const auto& item : module_->named_modules())
     if (auto* sync = dynamic_cast<SyncBatchNormImpl*>(item.value().get())) {
       const auto& named = sync->process_group();
-      if (!named || named->state() == given.state()) sync->set_process_group(group_);
+      if (!named || GroupAccess::share(*named) == GroupAccess::share(given)) sync->set_process_group(group_);
       if (sync->layer_name().empty()) sync->set_layer_name(item.key());
     }
+}
 
-  // Buckets in reverse registration order: roughly the order in which
-  // backward produces gradients.
-  std::vector<size_t> order(params_.size());
-  for (size_t k = 0; k < order.size(); ++k) order[k] = params_.size() - 1 - k;
-  make_buckets(order);
-  used_.assign(params_.size(), false);
-  fires_.assign(params_.size(), 0);
-  ready_.assign(params_.size(), false);
-
+void Reducer::hook_accumulators() {
   const std::weak_ptr<Reducer> self = weak_from_this();
   for (size_t p = 0; p < params_.size(); ++p) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(params_[p]);
-    accumulator->add_pre_hook(
-        std::make_unique<AccumulatorHook>(self, [p](Reducer& r) { r.before_accumulating(p); }));
+    auto accumulator = torch::autograd::impl::grad_accumulator(params_[p].tensor);
+    accumulator->add_pre_hook(std::make_unique<AccumulatorHook>(self, [p](Reducer& r) { r.before_accumulating(p); }));
     accumulator->add_post_hook(std::make_unique<AccumulatorHook>(self, [p](Reducer& r) { r.mark_ready(p); }));
     accumulators_.push_back(std::move(accumulator));
   }
 }
 
-// One dtype a bucket (a complex parameter's bucket holds reals); a sparse
-// gradient in a bucket of its own, without a buffer.
+std::vector<torch::Tensor> Reducer::state_tensors() const {
+  std::vector<torch::Tensor> state;
+  for (const auto& [name, t] : synced(module_->named_parameters())) state.push_back(t);
+  for (const auto& t : buffers_) state.push_back(t);
+  return state;
+}
+
 void Reducer::make_buckets(const std::vector<size_t>& order) {
-  std::vector<int64_t> sizes;
-  std::vector<int> kinds;
-  for (size_t p : order) {
-    sizes.push_back(params_[p].numel() * params_[p].element_size());
-    kinds.push_back(sparse_[p] ? -1 - static_cast<int>(p) : static_cast<int>(params_[p].scalar_type()));
-  }
-  const auto mib = [](double mb) { return static_cast<int64_t>(mb * 1024 * 1024); };
-  const auto assignment = compute_bucket_assignment(
-      sizes, std::min(mib(options_.first_bucket_cap_mb()), mib(options_.bucket_cap_mb())), mib(options_.bucket_cap_mb()),
-      kinds);
-  std::vector<torch::Tensor> old_views = grad_views_;
-  buckets_.clear();
-  bucket_sizes_.clear();
-  bucket_of_.assign(params_.size(), 0);
-  grad_views_.assign(params_.size(), torch::Tensor());
-  for (size_t b = 0; b < assignment.size(); ++b) {
-    const torch::Tensor& first = params_[order[assignment[b].front()]];
-    const bool sparse = sparse_[order[assignment[b].front()]];
-    const c10::ScalarType real = c10::toRealValueType(first.scalar_type());
-    int64_t total = 0;
-    for (size_t k : assignment[b]) total += params_[order[k]].numel() * (params_[order[k]].is_complex() ? 2 : 1);
-    torch::Tensor buffer;
-    if (!sparse) buffer = torch::zeros({total}, first.options().dtype(real).requires_grad(false));
-    std::vector<torch::Tensor> gradients, parameters;
-    std::vector<std::string> names;
-    int64_t offset = 0;
-    for (size_t k : assignment[b]) {
-      const size_t p = order[k];
-      const torch::Tensor& param = params_[p];
-      if (!sparse) {
-        grad_views_[p] = alias(buffer, offset, param.sizes(), param.scalar_type());
-        gradients.push_back(param.is_complex() ? torch::view_as_real(grad_views_[p]) : grad_views_[p]);
-        offset += param.numel() * (param.is_complex() ? 2 : 1);
-      }
-      parameters.push_back(param);
-      names.push_back(param_names_[p].substr(7));  // without "module."
-      bucket_of_[p] = b;
-    }
-    buckets_.emplace_back(b, b + 1 == assignment.size(), buffer, gradients, parameters, names);
-    bucket_sizes_.push_back(assignment[b].size());
-  }
-  // Gradients already in the old buckets move to the new ones.
-  torch::NoGradGuard no_grad;
-  for (size_t p = 0; p < params_.size() && !old_views.empty(); ++p) {
-    torch::Tensor& grad = params_[p].mutable_grad();
-    if (grad.defined() && old_views[p].defined() && grad.is_same(old_views[p])) {
-      grad_views_[p].copy_(grad);
-      grad = grad_views_[p];
-    }
-  }
-  pending_.assign(bucket_sizes_.begin(), bucket_sizes_.end());
+  auto layout = std::make_unique<BucketLayout>(params_, order, mib(options_.first_bucket_cap_mb()), mib(options_.bucket_cap_mb()));
+  if (layout_) layout->adopt_gradients(params_, *layout_);  // gradients already in the old buckets move
+  layout_ = std::move(layout);
+  iteration_->use_layout(*layout_);
 }
 
 void Reducer::rebuild_buckets() {
-  // The order of rank 0, on every rank: every rank must bucket alike.
-  auto order = torch::tensor(std::vector<int64_t>(ready_order_.begin(), ready_order_.end()), torch::kInt64)
-                   .to(quick_->device());  // NCCL's collectives take the device's tensors only
-  quick_->broadcast(order, 0, issuer("DistributedDataParallel's buckets rebuilt in rank 0's order"));
+  // The authority's order, on every rank: every rank must bucket alike.
+  const auto& learned = iteration_->ready_order();
+  auto order = torch::tensor(std::vector<int64_t>(learned.begin(), learned.end()), torch::kInt64).to(quick_->device());
+  quick_->broadcast(order, kAuthority, issuer(kRebuild, "DistributedDataParallel's buckets rebuilt in rank 0's order"));
   order = order.cpu();
   std::vector<size_t> first_ready;
   for (int64_t i = 0; i < order.numel(); ++i) first_ready.push_back(static_cast<size_t>(order[i].item<int64_t>()));
   make_buckets(first_ready);
-}
-
-Reducer::~Reducer() {
-  // The stream's tasks point at this object, and the hooks' futures at its buckets.
-  for (const auto ticket : posted_) {
-    try {
-      stream_->wait(ticket);
-    } catch (...) {
-    }
-  }
-  try {
-    take_averages();
-  } catch (...) {
-  }
-  std::lock_guard<std::mutex> lock(g_wrapped_mutex);
-  if (registered_) wrapped().erase(module_.get());
+  iteration_->rebuilt();
 }
 
 void Reducer::register_comm_hook(hooks::CommHookPtr hook) {
   if (!hook) throw UsageError("register_comm_hook: the hook is null");
   if (hook_registered_)
-    throw UsageError("register_comm_hook: this DistributedDataParallel has a hook (" + hook_->name() +
+    throw UsageError("register_comm_hook: this DistributedDataParallel has a hook (" + averager_->hook()->name() +
                      "); register one, once, before the first backward");
   std::lock_guard<std::mutex> lock(mutex_);
-  if (backward_seen_)
-    throw UsageError("register_comm_hook: called after the first backward, whose buckets " + hook_->name() +
+  if (iteration_->backward_seen())
+    throw UsageError("register_comm_hook: called after the first backward, whose buckets " + averager_->hook()->name() +
                      " averaged; register the hook once, before the first backward, on every rank");
-  hook_ = std::move(hook);
+  averager_->set_hook(std::move(hook));
   hook_registered_ = true;
+  hook_layout_known_ = false;
 }
 
 namespace {
-// "second", "third", ..., "11th": which DistributedDataParallel of its group.
-std::string ordinal(int k) {
-  static const char* const words[] = {"first", "second", "third", "fourth", "fifth",
-                                      "sixth", "seventh", "eighth", "ninth", "tenth"};
-  if (k < 10) return words[k];
-  const int n = k + 1, last = n % 10;
-  return std::to_string(n) + (n % 100 / 10 == 1 ? "th" : last == 1 ? "st" : last == 2 ? "nd" : last == 3 ? "rd" : "th");
+
+std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : " ") + n;
+  return out;
 }
+
 }  // namespace
 
-std::string Reducer::issuer(const std::string& what) const {
-  if (model_ == 0) return what;  // "DistributedDataParallel's buffers before a forward"
-  return "the " + ordinal(model_) + " " + what;  // "the second DistributedDataParallel's buffers ..."
-}
-
-std::string Reducer::bucket_issuer(size_t b) const {
-  if (model_ == 0) return "DDP bucket " + std::to_string(b) + "'s backward";
-  return "the " + ordinal(model_) + " DDP's bucket " + std::to_string(b) + "'s backward";
-}
-
-std::vector<std::string> Reducer::describe_buckets() const {
-  std::vector<std::string> lines;
-  for (const auto& b : buckets_) {
-    std::ostringstream s;
-    const bool sparse = !b.buffer().defined();
-    const int64_t elements = sparse ? b.parameters()[0].numel() : b.buffer().numel();
-    s << "bucket " << b.index() << ": " << b.parameters().size() << " parameters, " << elements << " elements ("
-      << (sparse ? "sparse" : megabytes(elements * b.buffer().element_size())) << "):";
-    for (const auto& name : b.parameter_names()) s << " " << name;
-    lines.push_back(s.str());
+void Reducer::follow_hook_layout() {
+  const auto kept = averager_->hook()->kept_for();
+  if (kept.empty()) return;  // nothing kept by bucket (yet)
+  hook_layout_known_ = true;
+  std::vector<std::vector<std::string>> ours;
+  for (const auto& b : layout_->buckets()) ours.push_back(b.parameter_names());
+  if (kept == ours) return;
+  std::vector<size_t> order;
+  for (const auto& bucket : kept)
+    for (const auto& name : bucket) {
+      const auto it = std::find(names_.begin(), names_.end(), name);
+      if (it != names_.end()) order.push_back(static_cast<size_t>(it - names_.begin()));
+    }
+  std::vector<size_t> sorted = order;
+  std::sort(sorted.begin(), sorted.end());
+  const bool every_parameter_once =
+      sorted.size() == params_.size() && std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+  if (options_.static_graph() && iteration_->expected_fires().empty() && every_parameter_once) {
+    make_buckets(order);  // the order the saved run's buckets were rebuilt in
+    if (layout_->size() == kept.size()) return;
   }
-  return lines;
+  size_t b = 0;
+  while (b < kept.size() && b < ours.size() && kept[b] == ours[b]) ++b;
+  throw UsageError("register_comm_hook: the hook's state was kept for other buckets (its bucket " + std::to_string(b) +
+                   ": " + (b < kept.size() ? joined(kept[b]) : "none") + "; this DistributedDataParallel's: " +
+                   (b < ours.size() ? joined(ours[b]) : "none") +
+                   "): resume with the model, bucket_cap_mb and static_graph it was saved with");
+}
+
+Issuer Reducer::issuer(IssuerKind kind, const std::string& what) const { return ddp_issuer(kind, model_, what); }
+
+// ---- forward and backward ----
+
+// Buffers are broadcast as PyTorch's DDP does: before a forward with
+// gradients that will be averaged; so a forward under NoGradGuard on one
+// rank (evaluating, sampling) issues no collective.
+void Reducer::prepare_forward() {
+  check_bypass();
+  if (!torch::GradMode::is_enabled()) return;
+  finish_open_iteration();
+  if (!hook_layout_known_) follow_hook_layout();
+  if (vote) vote();
+  if (iteration_->rebuild_due()) rebuild_buckets();
+  if (no_sync_depth_ == 0 && options_.broadcast_buffers())
+    broadcast_from_authority(*quick_, buffers_, issuer(kBuffers, "DistributedDataParallel's buffers before a forward"));
+  std::lock_guard<std::mutex> lock(mutex_);
+  iteration_->open(no_sync_depth_ > 0);
+}
+
+// PyTorch's search for unused parameters: every node the outputs' graph
+// reaches; a parameter whose accumulator is not among them gets nothing.
+void Reducer::after_forward(const std::vector<torch::Tensor>& outputs, bool all) {
+  if (!torch::GradMode::is_enabled() || !all) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!iteration_->wants_walk()) return;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> next;
+  for (const auto& t : outputs) {
+    if (!t.defined() || !t.requires_grad()) continue;
+    const auto node = t.grad_fn() ? t.grad_fn() : torch::autograd::impl::try_get_grad_accumulator(t);
+    if (node && seen.insert(node.get()).second) next.push_back(node.get());
+  }
+  while (!next.empty()) {
+    const torch::autograd::Node* node = next.back();
+    next.pop_back();
+    for (const auto& edge : node->next_edges())
+      if (edge.function && seen.insert(edge.function.get()).second) next.push_back(edge.function.get());
+  }
+  std::vector<bool> reached(params_.size());
+  for (size_t p = 0; p < params_.size(); ++p) reached[p] = seen.count(accumulators_[p].get()) > 0;
+  iteration_->walked(reached);
+}
+
+// Makes params_[p].grad the view into its bucket, keeping its value (zero
+// when it had none). Optimizers may have reset .grad (zero_grad() sets it
+// to undefined in LibTorch 2) or replaced it.
+void Reducer::link_grad(size_t p) {
+  if (params_[p].sparse) return;
+  torch::Tensor& grad = params_[p].tensor.mutable_grad();
+  const torch::Tensor& view = layout_->view(p);
+  if (grad.defined() && grad.is_same(view)) return;
+  torch::NoGradGuard no_grad;
+  if (grad.defined()) {
+    view.copy_(grad);
+  } else {
+    view.zero_();
+  }
+  grad = view;
+}
+
+// Before an accumulator adds a gradient to an undefined .grad: the bucket's
+// view, zeroed, takes it, so it is added in place and never copied.
+void Reducer::before_accumulating(size_t p) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!params_[p].tensor.grad().defined()) link_grad(p);
+}
+
+void Reducer::took_gradient(size_t p) { link_grad(p); }
+
+// Ready without a gradient: what its .grad was is kept, should no rank use
+// it; its bucket holds .grad, or zeros (.grad stays undefined unless
+// another rank used it).
+void Reducer::counted_unused(size_t p) {
+  if (kept_.count(p)) return;
+  const torch::Tensor& grad = params_[p].tensor.grad();
+  kept_[p] = grad.defined() ? grad.detach().clone() : torch::Tensor();
+  if (grad.defined()) {
+    link_grad(p);
+  } else if (!params_[p].sparse) {
+    torch::NoGradGuard no_grad;
+    layout_->view(p).zero_();
+  }
+}
+
+void Reducer::bucket_ready(size_t b) { averager_->post(layout_->bucket(b)); }
+
+void Reducer::mark_ready(size_t p) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!iteration_->gradient(p, names_[p])) return;
+  std::weak_ptr<Reducer> self = weak_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([self] {
+    if (const auto reducer = self.lock()) reducer->end_backward();
+  });
+}
+
+void Reducer::end_backward() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  switch (iteration_->end_backward()) {
+    case Iteration::End::bypassed:  // named only if an optimizer steps on these gradients (check_bypass())
+      if (!bypassed_at_) {
+        std::vector<torch::Tensor> tensors;
+        for (const auto& p : params_) tensors.push_back(p.tensor);
+        bypassed_at_ = checksum(tensors);
+      }
+      return;
+    case Iteration::End::complete: return complete_iteration(lock);
+    case Iteration::End::open:
+    case Iteration::End::ignored: return;
+  }
+}
+
+// Note on parameters without a gradient. Every rank posts every bucket, in
+// order, whatever its graph: a parameter that got no gradient joins its
+// bucket as whatever its .grad holds (what no_sync's micro-batches
+// accumulated, or zero). Where they may (find_unused_parameters,
+// static_graph) one more allreduce counts the ranks that used each
+// parameter since the last averaging; one that no rank used gets its .grad
+// back as it was.
+void Reducer::complete_iteration(std::unique_lock<std::mutex>& lock) {
+  const std::vector<bool> used = iteration_->close();
+  auto used_by = std::make_shared<torch::Tensor>();  // param -> ranks that used it
+  if (options_.find_unused_parameters() || options_.static_graph()) {
+    auto mine = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kFloat32);
+    for (size_t p = 0; p < params_.size(); ++p) mine[static_cast<int64_t>(p)] = used[p] ? 1.0f : 0.0f;
+    averager_->post_count(mine, used_by);
+  }
+  std::map<size_t, torch::Tensor> kept;
+  kept.swap(kept_);
+  lock.unlock();
+  averager_->take(scale, static_cast<double>(group_.world_size()) / scale);
+  if (used_by->defined()) restore_unused(kept, *used_by);
+}
+
+void Reducer::restore_unused(const std::map<size_t, torch::Tensor>& kept, const torch::Tensor& used_by) {
+  torch::NoGradGuard no_grad;
+  for (const auto& [p, before] : kept) {
+    torch::Tensor& grad = params_[p].tensor.mutable_grad();
+    if (used_by[static_cast<int64_t>(p)].item<float>() > 0) {  // another rank's gradient, averaged
+      if (!grad.defined() && !params_[p].sparse) grad = layout_->view(p);
+    } else if (before.defined() && !params_[p].sparse) {
+      layout_->view(p).copy_(before);
+    } else {
+      grad = before;  // undefined where it was (a sparse gradient is no view)
+    }
+  }
+}
+
+void Reducer::finish_open_iteration() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const Iteration::LeftOpen left = iteration_->left_open(names_);
+  if (!left.open) return;
+  complete_iteration(lock);  // the buckets go out all the same, so that no peer waits for this rank
+  if (!left.had_gradients) return;
+  throw UsageError("DistributedDataParallel: the last backward ended before these parameters received " +
+                   std::string(options_.static_graph() ? "as many gradients as in the first step:" : "a gradient:") +
+                   left.missing + "; every parameter must take part in the loss, or construct DDP with "
+                   "DdpOptions().find_unused_parameters(true)");
 }
 
 }  // namespace mnist_ddp

@@ -9,6 +9,7 @@
 
 #include "mnist_ddp/base/errors.hpp"
 #include "comm/group.hpp"
+#include "parallel/advice.hpp"
 
 namespace mnist_ddp {
 namespace {
@@ -62,7 +63,7 @@ LocalStats local_stats(const torch::Tensor& x) {
 // are constants to autograd (the backward functions account for them), so
 // nothing here is recorded.
 GlobalStats global_stats(const LocalStats& local, c10::ScalarType type, CollectiveStream& stream, double eps,
-                         const std::string& issuer) {
+                         const Issuer& issuer) {
   torch::NoGradGuard no_grad;
   const int64_t c = local.mean.size(0);
   auto stats = torch::zeros({2 * c + 1}, local.mean.options());
@@ -71,7 +72,7 @@ GlobalStats global_stats(const LocalStats& local, c10::ScalarType type, Collecti
   stats[2 * c].fill_(local.count);
   stream.allreduce_sum(stats, issuer);
   const double count = stats[2 * c].item<double>();
-  if (!(count > 0)) throw UsageError(issuer + ": the batch is empty on every rank");
+  if (!(count > 0)) throw UsageError(issuer.text + ": the batch is empty on every rank");
   // Divided by the count as a tensor: CUDA turns a division by a host scalar
   // into a multiplication by its reciprocal, which the CPU does not.
   const auto counts = stats.slice(0, 2 * c, 2 * c + 1);
@@ -138,15 +139,16 @@ void for_each_plane(const torch::Tensor& x, F f) {
 // Carries the stream through autograd's saved data, which holds
 // intrusive pointers only.
 struct StreamHolder : torch::CustomClassHolder {
-  StreamHolder(std::shared_ptr<CollectiveStream> c, std::string i) : stream(std::move(c)), issuer(std::move(i)) {}
+  StreamHolder(std::shared_ptr<CollectiveStream> c, Issuer i) : stream(std::move(c)), issuer(std::move(i)) {}
   std::shared_ptr<CollectiveStream> stream;
-  std::string issuer;  // "SyncBatchNorm bn1's backward"
+  Issuer issuer;  // "SyncBatchNorm bn1's backward"
 };
 
 // Who a layer's collectives say issues them.
-std::string layer_issuer(SyncBatchNormImpl& bn, const char* pass) {
+Issuer layer_issuer(SyncBatchNormImpl& bn, IssuerKind kind) {
   const std::string& name = bn.layer_name();
-  return "SyncBatchNorm " + (name.empty() ? std::string("(a layer no DDP wraps)") : name) + "'s " + pass;
+  const char* pass = kind == kSyncBnBackward ? "backward" : kind == kSyncBnForward ? "forward" : "forward without autograd";
+  return Issuer(kind, 0, -1, "SyncBatchNorm " + (name.empty() ? std::string("(a layer no DDP wraps)") : name) + "'s " + pass);
 }
 
 // Normalises with given global statistics; backward completes the chain
@@ -155,7 +157,7 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& input, const torch::Tensor& weight,
                                const torch::Tensor& bias, const torch::Tensor& mean, const torch::Tensor& invstd,
-                               double count, std::shared_ptr<CollectiveStream> stream, std::string issuer) {
+                               double count, std::shared_ptr<CollectiveStream> stream, Issuer issuer) {
     // Separate mul and add: on CPU a broadcast addcmul is several times slower.
     const auto x_hat = input.sub(per_channel(mean, input)).mul_(per_channel(invstd, input));
     const auto y = x_hat.mul(per_channel(weight, input)).add_(per_channel(bias, input));
@@ -198,11 +200,53 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
 // SyncBatchNormFunction followed by ReLU, through the CPU kernels above.
 // Saves the input and the output (ReLU's mask), not x_hat: backward
 // recomputes x_hat in the pass that needs it.
+// This rank's sums of dz (dy where ReLU passed) and of dz * x_hat, in one
+// pass, each channel in one fixed order: [dz (C) | dz * x_hat (C)], float64.
+torch::Tensor relu_backward_sums(const torch::Tensor& input, const torch::Tensor& y, const torch::Tensor& dy,
+                                 const torch::Tensor& mean, const torch::Tensor& invstd) {
+  const int64_t batch = input.size(0), c = input.size(1), plane = input.size(2) * input.size(3);
+  const float *in = input.data_ptr<float>(), *out = y.data_ptr<float>(), *g = dy.data_ptr<float>(),
+              *mu = mean.data_ptr<float>(), *is = invstd.data_ptr<float>();
+  auto sums = torch::zeros({2 * c}, torch::kFloat64);
+  double* sum = sums.data_ptr<double>();
+  at::parallel_for(0, c, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t ch = begin; ch < end; ++ch) {
+      const float m = mu[ch], s = is[ch];
+      float lane_dz[16] = {}, lane_dzx[16] = {};
+      double dz = 0, dzx = 0;
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t at = (b * c + ch) * plane;
+        int64_t i = 0;
+        for (; i + 16 <= plane; i += 16)
+          for (int j = 0; j < 16; ++j) {
+            const float gj = g[at + i + j];  // loaded unconditionally: a select, which vectorises
+            const float d = out[at + i + j] > 0 ? gj : 0.0f;
+            lane_dz[j] += d;
+            lane_dzx[j] += d * ((in[at + i + j] - m) * s);
+          }
+        for (; i < plane; ++i) {
+          const float gi = g[at + i];
+          const float d = out[at + i] > 0 ? gi : 0.0f;
+          dz += d;
+          dzx += d * ((in[at + i] - m) * s);
+        }
+      }
+      for (int j = 0; j < 16; ++j) {
+        dz += lane_dz[j];
+        dzx += lane_dzx[j];
+      }
+      sum[ch] = dz;
+      sum[c + ch] = dzx;
+    }
+  });
+  return sums;
+}
+
 class SyncBatchNormReluFunction : public torch::autograd::Function<SyncBatchNormReluFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& input, const torch::Tensor& weight,
                                const torch::Tensor& bias, const torch::Tensor& mean, const torch::Tensor& invstd,
-                               double count, std::shared_ptr<CollectiveStream> stream, std::string issuer) {
+                               double count, std::shared_ptr<CollectiveStream> stream, Issuer issuer) {
     auto y = torch::empty_like(input);
     const auto w = weight.contiguous(), b = bias.contiguous();
     const float *in = input.data_ptr<float>(), *mu = mean.data_ptr<float>(), *is = invstd.data_ptr<float>(),
@@ -225,43 +269,10 @@ class SyncBatchNormReluFunction : public torch::autograd::Function<SyncBatchNorm
     const double count = ctx->saved_data["count"].toDouble();
     auto holder = c10::static_intrusive_pointer_cast<StreamHolder>(ctx->saved_data["stream"].toCapsule());
     const auto dy = grad_outputs[0].contiguous();
-    const int64_t batch = input.size(0), c = input.size(1), plane = input.size(2) * input.size(3);
+    const int64_t c = input.size(1);
     const float *in = input.data_ptr<float>(), *out = y.data_ptr<float>(), *g = dy.data_ptr<float>(),
                 *mu = mean.data_ptr<float>(), *is = invstd.data_ptr<float>();
-
-    // This rank's sums of dz (dy where ReLU passed) and of dz * x_hat, in one pass.
-    auto sums = torch::zeros({2 * c}, torch::kFloat64);
-    double* sum = sums.data_ptr<double>();
-    at::parallel_for(0, c, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t ch = begin; ch < end; ++ch) {
-        const float m = mu[ch], s = is[ch];
-        float lane_dz[16] = {}, lane_dzx[16] = {};
-        double dz = 0, dzx = 0;
-        for (int64_t b = 0; b < batch; ++b) {
-          const int64_t at = (b * c + ch) * plane;
-          int64_t i = 0;
-          for (; i + 16 <= plane; i += 16)
-            for (int j = 0; j < 16; ++j) {
-              const float gj = g[at + i + j];  // loaded unconditionally: a select, which vectorises
-              const float d = out[at + i + j] > 0 ? gj : 0.0f;
-              lane_dz[j] += d;
-              lane_dzx[j] += d * ((in[at + i + j] - m) * s);
-            }
-          for (; i < plane; ++i) {
-            const float gi = g[at + i];
-            const float d = out[at + i] > 0 ? gi : 0.0f;
-            dz += d;
-            dzx += d * ((in[at + i] - m) * s);
-          }
-        }
-        for (int j = 0; j < 16; ++j) {
-          dz += lane_dz[j];
-          dzx += lane_dzx[j];
-        }
-        sum[ch] = dz;
-        sum[c + ch] = dzx;
-      }
-    });
+    auto sums = relu_backward_sums(input, y, dy, mean, invstd);
     const auto local = sums.to(torch::kFloat);  // this rank's bias and weight gradients; DDP averages them
     holder->stream->allreduce_sum(sums, holder->issuer);
     const auto mean_dz = (sums.slice(0, 0, c) / count).to(torch::kFloat);
@@ -307,7 +318,7 @@ torch::Tensor train_synced(SyncBatchNormImpl& bn, std::shared_ptr<CollectiveStre
   const double factor = count_batch(bn);
   const GlobalStats stats =
       global_stats(local, input.scalar_type(), *stream, bn.options.eps(),
-                   layer_issuer(bn, torch::GradMode::is_enabled() ? "forward" : "forward without autograd"));
+                   layer_issuer(bn, torch::GradMode::is_enabled() ? kSyncBnForward : kSyncBnSampling));
   if (bn.options.track_running_stats()) {
     // Separate multiplies and adds, no fused forms: exact (see the header).
     torch::NoGradGuard no_grad;
@@ -316,7 +327,7 @@ torch::Tensor train_synced(SyncBatchNormImpl& bn, std::shared_ptr<CollectiveStre
     bn.running_var.mul_(1 - factor).add_((stats.var * unbiased).to(bn.running_var.scalar_type()).mul(factor));
   }
   const auto [weight, bias] = affine_of(bn, input);
-  std::string backward = layer_issuer(bn, "backward");
+  Issuer backward = layer_issuer(bn, kSyncBnBackward);
   if (relu)
     return SyncBatchNormReluFunction::apply(input, weight, bias, stats.mean, stats.invstd, stats.count, std::move(stream),
                                             std::move(backward));
@@ -326,7 +337,10 @@ torch::Tensor train_synced(SyncBatchNormImpl& bn, std::shared_ptr<CollectiveStre
 
 }  // namespace
 
-SyncBatchNormImpl::SyncBatchNormImpl(const torch::nn::BatchNormOptions& options_) : options(options_) { reset(); }
+SyncBatchNormImpl::SyncBatchNormImpl(const torch::nn::BatchNormOptions& options_) : options(options_) {
+  use_library_advice();
+  reset();
+}
 
 void SyncBatchNormImpl::reset() {
   const int64_t c = options.num_features();

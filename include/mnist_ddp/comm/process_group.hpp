@@ -87,9 +87,10 @@ class Work {
 
   // The library's own: an incomplete type to a program.
   struct State;
-  explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
  private:
+  friend struct GroupAccess;
+  explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
   std::shared_ptr<State> state_;
 };
 
@@ -143,13 +144,12 @@ class ProcessGroup {
   // a PeerLost or a Timeout and then returns from main() normally.
   void shutdown() const;
 
- public:
   // The group's state, the library's own: an incomplete type to a program.
   struct State;
-  explicit ProcessGroup(std::shared_ptr<State> state) : state_(std::move(state)) {}
-  const std::shared_ptr<State>& state() const { return state_; }
 
  private:
+  friend struct GroupAccess;
+  explicit ProcessGroup(std::shared_ptr<State> state) : state_(std::move(state)) {}
   std::shared_ptr<State> state_;
 };
 

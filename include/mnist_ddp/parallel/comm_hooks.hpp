@@ -149,8 +149,14 @@ class CommHook {
   virtual bool compression_started() const { return true; }
   virtual HookState state() const { return {}; }
   // Takes back what state() returned (on any device: tensors move to the
-  // bucket's). Throws c10::Error for a state of another hook or layout.
+  // bucket's). Throws UsageError for a state of another hook or layout.
   virtual void load_state(const HookState& /*state*/) {}
+  // Where its state is kept by bucket: the names of each bucket's
+  // parameters (by index, as GradBucket gives them) that the state was
+  // kept for, saved with it. A DDP with static_graph lays its buckets out
+  // so before its first step (a resume then means what the saved run
+  // did); any other DDP refuses a state kept for other buckets.
+  virtual std::vector<std::vector<std::string>> kept_for() const { return {}; }
 };
 using CommHookPtr = std::shared_ptr<CommHook>;
 
@@ -177,6 +183,7 @@ class CompressWrapper : public CommHook {
   bool compression_started() const override { return inner_->compression_started(); }
   HookState state() const override { return inner_->state(); }
   void load_state(const HookState& state) override { inner_->load_state(state); }
+  std::vector<std::vector<std::string>> kept_for() const override { return inner_->kept_for(); }
   const CommHookPtr& inner() const { return inner_; }
 
  private:
@@ -210,6 +217,7 @@ struct PowerSgdState {
   std::map<size_t, at::Tensor> error;     // this rank's compression error (own)
   std::map<size_t, at::Tensor> p_memory;  // flat P of every compressed matrix (shared)
   std::map<size_t, at::Tensor> q_memory;  // flat Q, reused when warm-starting (shared)
+  std::map<size_t, std::vector<std::string>> layout;  // each bucket's parameters, as the state was kept for them (shared)
 };
 
 // What both PowerSGD hooks share: their options and state, and plain
@@ -222,6 +230,7 @@ class PowerSgdBase : public CommHook {
   bool compression_started() const override;
   HookState state() const override;
   void load_state(const HookState& state) override;
+  std::vector<std::vector<std::string>> kept_for() const override;
 
   const PowerSgdOptions& options() const { return options_; }
   const PowerSgdState& powersgd_state() const { return state_; }

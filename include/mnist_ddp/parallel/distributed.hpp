@@ -112,7 +112,8 @@ struct JoinOptions {
 };
 
 namespace detail {
-class Reducer;  // the state behind every DistributedDataParallel (not installed)
+class Reducer;         // the state behind every DistributedDataParallel (not installed)
+class ReducerAccess;   // the library's own way to it (not installed)
 }
 
 // What DistributedDataParallel does whatever the module's type. Not made
@@ -188,11 +189,8 @@ class DistributedDataParallelBase {
   void prepare_forward();
   void after_forward(const std::vector<at::Tensor>& outputs, bool all);
 
- public:
-  // The library's own state: an incomplete type to a program.
-  detail::Reducer& impl() const { return *reducer_; }
-
  private:
+  friend class detail::ReducerAccess;
   std::shared_ptr<detail::Reducer> reducer_;
 };
 

@@ -1,0 +1,45 @@
+// Who in the library issues a collective, as comm/issuer.hpp's kinds, and
+// what to do when ranks are found in different ones: the advice table the
+// watch and the check print (set_advice()). Not installed.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "comm/issuer.hpp"
+
+namespace mnist_ddp {
+
+// The library's issuers. Training ones are those every rank issues in
+// every step of a training loop.
+enum IssuerKind : int {
+  kBucket = 1,         // a DDP bucket's backward: its hook's collectives
+  kHookAgreement,      // register_comm_hook's comparison, at the first backward
+  kUnusedCount,        // DDP's count of the ranks that used each parameter
+  kBuffers,            // DDP's buffers, broadcast before a forward
+  kDdpStart,           // DDP's construction: the models compared, rank 0's state
+  kRebuild,            // static_graph's buckets rebuilt in rank 0's order
+  kReplicaCheck,       // check_replicas()
+  kJoinVote,           // ddp.join(): a step's count of the ranks with data
+  kJoined,             // ddp.join(): a rank whose data ran out, serving the others
+  kJoinEnd,            // ddp.join(): the last rank's state, once every rank has joined
+  kSyncBnForward,      // a SyncBatchNorm's forward with autograd (a training step's)
+  kSyncBnSampling,     // a SyncBatchNorm's train-mode forward without autograd (sampling, evaluating)
+  kSyncBnBackward,     // a SyncBatchNorm's backward
+  kScalerVote,         // GradScaler's vote on skipping a step
+};
+
+// "DistributedDataParallel's buffers before a forward" for the group's
+// first DDP (`model` 0); "the second DistributedDataParallel's ..." after.
+Issuer ddp_issuer(IssuerKind kind, int model, const std::string& what);
+// "DDP bucket 3's backward"; "the second DDP's bucket 3's backward".
+Issuer bucket_issuer(int model, int bucket);
+
+// Registers the library's advice table with the comm layer (once; every
+// constructor of a DDP, SyncBatchNorm and GradScaler calls it).
+void use_library_advice();
+
+// The table itself: what to do about ranks found where `where` says.
+std::string library_advice(const std::vector<Whereabouts>& where);
+
+}  // namespace mnist_ddp
