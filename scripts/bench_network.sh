@@ -7,9 +7,12 @@
 # table per rate, and the targets met or not.
 #
 #   bash scripts/bench_network.sh [--rate 1gbit]... [--steps 100] [--rounds 1] [--against BINARY]
+#                                 [--hooks none,powersgd_fp16] [--no-python]
 #
 # --against BINARY runs another mnist_ddp (an older build) for none and
 # powersgd_fp16 in the same rounds and prints its figures beside.
+# --hooks measures those hooks only, --no-python leaves PyTorch's DDP out:
+# a comparison of builds in a quarter of the time.
 #
 # Each figure is a slope, so start-up and the end cancel: the difference in
 # training time (summary.json's training.seconds; Python DDP's own clock)
@@ -25,14 +28,16 @@
 # namespaces cannot be made (no root, no iproute2) it says why and exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rates=() steps=100 rounds=1 against=""
+rates=() steps=100 rounds=1 against="" only="" no_python=""
 while [ "$#" -gt 0 ]; do
   case "$1" in
     --rate) rates+=("$2"); shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --against) against="$(realpath "$2")"; shift 2 ;;
-    *) echo "usage: bash scripts/bench_network.sh [--rate 1gbit]... [--steps 100] [--rounds 1] [--against BINARY]" >&2; exit 2 ;;
+    --hooks) only="$2"; shift 2 ;;
+    --no-python) no_python=1; shift ;;
+    *) echo "usage: bash scripts/bench_network.sh [--rate 1gbit]... [--steps 100] [--rounds 1] [--against BINARY] [--hooks LIST] [--no-python]" >&2; exit 2 ;;
   esac
 done
 [ -z "$against" ] || [ -x "$against" ] || { echo "bench_network: --against: not an executable" >&2; exit 2; }
@@ -40,6 +45,12 @@ done
 [ "$steps" -ge 25 ] || { echo "bench_network: --steps $steps: at least 25, so that the slope spans 20 steps" >&2; exit 2; }
 short=$((steps / 5))
 hooks=(none fp16 powersgd powersgd_fp16 batched_powersgd_fp16)
+if [ -n "$only" ]; then
+  IFS=, read -r -a hooks <<<"$only"
+  for hook in "${hooks[@]}"; do
+    case "$hook" in none | fp16 | powersgd | powersgd_fp16 | batched_powersgd_fp16) ;; *) echo "bench_network: --hooks: no hook '$hook'" >&2; exit 2 ;; esac
+  done
+fi
 
 say() { echo "bench_network: $*" >&2; }
 [ "$(id -u)" -eq 0 ] || { say "network namespaces need root; nothing measured"; exit 0; }
@@ -52,10 +63,10 @@ bash scripts/install_deps.sh test >/dev/null
 bash scripts/fetch_data.sh fashion-mnist >/dev/null
 bash scripts/build.sh --target mnist_ddp >/dev/null
 python=""
-for p in python3 /usr/bin/python3; do
+[ -n "$no_python" ] || for p in python3 /usr/bin/python3; do
   if "$p" -c "import torch.distributed" 2>/dev/null; then python="$p"; break; fi
 done
-[ -n "$python" ] || say "no Python with torch: Python DDP is left out"
+[ -n "$python" ] || [ -n "$no_python" ] || say "no Python with torch: Python DDP is left out"
 
 out="$(mktemp -d)"
 source scripts/netns.sh
@@ -165,8 +176,11 @@ for rate in rates:
     print("| hook | ms/step | images/s | ratio to none | sent/step | unshaped ms/step | Python DDP ms/step | Python unshaped | ours vs Python |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     none_ms, _ = fig(rate, "ours", "none")
+    none_ms = none_ms or float("nan")
     for hook in hooks:
         ms, wire = fig(rate, "ours", hook)
+        if ms is None:
+            continue  # not measured (--hooks)
         floor, _ = fig("none", "ours", hook)
         py, _ = fig(rate, "python", hook)
         py_floor, _ = fig("none", "python", hook)
@@ -177,6 +191,8 @@ for rate in rates:
     print()
     ms, wire = fig(rate, "ours", "none")
     floor, _ = fig("none", "ours", "none")
+    if ms is None or fig(rate, "ours", "powersgd_fp16")[0] is None:
+        continue  # the targets need none and powersgd_fp16 (--hooks)
     wire_ms = wire * 8 / bits(rate) * 1000
     bound = max(floor, wire_ms)
     # Each target: what, the measured ratio, and the most it may be.

@@ -50,6 +50,15 @@
 
 namespace mnist_ddp::test {
 
+// How much longer a process takes under the sanitizers (scripts/sanitize.sh):
+// a LibTorch process starts in seconds, not in a fraction of one. Bounds
+// on whole programs' times are multiplied by it.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr double kSlower = 4;
+#else
+constexpr double kSlower = 1;
+#endif
+
 void run_rank_processes(int world, const std::function<void(ProcessGroup&)>& fn, torch::Device device);
 
 // How CPU ranks sum: through their Gloo group, or through shared memory as
