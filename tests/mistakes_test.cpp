@@ -382,7 +382,7 @@ TEST(Mistakes, AHookAfterTheFirstBackwardIsRefused) {
 TEST(Mistakes, ARankThatCatchesItsOwnForwardFailureIsNamed) {
   expect_named_on_every_rank(run_mistake("caught-forward"),
                              {"rank 0 is in SyncBatchNorm norm.0's backward (allreduce, 16 float64); rank 1 is in "
-                              "DistributedDataParallel's buffers before a forward (broadcast, 1 int64, from rank 0): "},
+                              "DistributedDataParallel's buffers before a forward (broadcast, 72 uint8, from rank 0): "},
                              "caught-forward");
 }
 
@@ -400,7 +400,7 @@ void expect_ended_rank_named(const Ran& ran, const std::string& line, const std:
 TEST(Mistakes, ARankWhoseProgramReturnsEarlyIsNamedAsUnevenInputs) {
   expect_ended_rank_named(
       run_mistake("returns-early"),
-      "rank 0 is in DistributedDataParallel's buffers before a forward (broadcast, 1 int64, from rank 0); rank 1 "
+      "rank 0 is in DistributedDataParallel's buffers before a forward (broadcast, 72 uint8, from rank 0); rank 1 "
       "ended its program (the last collective it passed there: SyncBatchNorm norm.0's backward (allreduce, 16 "
       "float64)): the ranks ran "
       "different numbers of steps (uneven inputs): give every rank as many batches, or wrap each rank's training "

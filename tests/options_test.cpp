@@ -121,7 +121,7 @@ TEST(Options, EveryIntegerFlagRefusesWhatItCannotHold) {
       {"--checkpoint-every", "2147483647"}, {"--accumulate", "1024"},              {"--seed", "18446744073709551615"},
       {"--powersgd-seed", "18446744073709551615"}, {"--max-steps", "9223372036854775807"},
       {"--checkpoint-steps", "9223372036854775807"}, {"--powersgd-rank", "9223372036854775807"},
-      {"--start-powersgd-iter", "9223372036854775807"}, {"--node-rank", "2147483647"}};
+      {"--start-powersgd-iter", "9223372036854775807"}, {"--node-rank", "2147483647"}, {"--master-port", "65535"}};
   for (const auto& [flag, largest] : flags) {
     SCOPED_TRACE(flag);
     for (const std::string& value : {huge, "-" + huge, largest + "0"}) {
@@ -146,12 +146,14 @@ TEST(Options, EveryIntegerFlagRefusesWhatItCannotHold) {
     }
   }
   const Options o = parse({"--seed", "18446744073709551615", "--max-steps", "9223372036854775807",
-                           "--powersgd-seed", "010", "--checkpoint-steps", "+7", "--epochs", "010"});
+                           "--powersgd-seed", "010", "--checkpoint-steps", "+7", "--epochs", "010",
+                           "--master-port", "010"});
   EXPECT_EQ(o.seed, 18446744073709551615u);
   EXPECT_EQ(o.max_steps, 9223372036854775807);
   EXPECT_EQ(o.powersgd.random_seed(), 10u);  // decimal, as argparse's int() reads it: not octal
   EXPECT_EQ(o.checkpoint_steps, 7);
   EXPECT_EQ(o.epochs, 10);
+  EXPECT_EQ(o.master_port, 10);  // as MASTER_PORT=010 reads it
   for (const std::string value : {"1.5", "0x10", "1e3", "+-3", " 5", ""})
     EXPECT_NE(usage_error({"--max-steps", value}).find("--max-steps: must be an integer >= 0, got '" + value + "'"),
               std::string::npos)

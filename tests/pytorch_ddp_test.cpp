@@ -10,6 +10,8 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <fstream>
+#include <thread>
 #include <mutex>
 #include <tuple>
 
@@ -564,35 +566,58 @@ TEST(PyTorchDdp, SameLayoutAndTheDefaultGroup) {
 namespace mnist_ddp {
 namespace pytorch_behaviours {
 
-// Rank 1 leaves (its process ends) while rank 0 waits on it: rank 0
-// catches the PeerLost, shuts its group down and returns from its program
-// through the destructors of its DDP and group, which wait for nothing.
+// Rank 1 goes silent (alive, issuing nothing) while rank 0's collective
+// waits for it: rank 0 shuts its group down, sees the wait end and what
+// follows refused, and returns from its program through the destructors
+// of its DDP and group, which wait for nothing.
 TEST(PyTorchDdpProgram, Run) {
-  if (!std::getenv("MNIST_DDP_TEST_SHUTDOWN")) GTEST_SKIP() << "the program of PyTorchDdp.AShutDownGroup*, run by it";
+  const char* done = std::getenv("MNIST_DDP_TEST_SHUTDOWN");
+  if (!done) GTEST_SKIP() << "the program of PyTorchDdp.AShutDownGroup*, run by it";
   {
     auto group = init_process_group();
     auto model = std::make_shared<torch::nn::LinearImpl>(4, 2);
     DistributedDataParallel ddp(model, group);
     group.barrier();
-    if (group.rank() == 1) _exit(0);  // gone, without a word
+    if (group.rank() == 1) {  // alive and silent (as a hung peer) until rank 0 has returned
+      for (int i = 0; i < 300 && !test::is_regular_file(done); ++i) std::this_thread::sleep_for(100ms);
+      _exit(0);
+    }
+    auto t = torch::zeros({1000});
+    const Work pending = group.allreduce_sum_async(t);
+    if (!pending.wait(2s)) test::write_line("still in flight after 2 s");
+    group.shutdown();
     try {
-      auto t = torch::zeros({1000});
-      group.allreduce_sum(t);
+      pending.wait();
     } catch (const PeerLost& e) {
       test::write_line(std::string("caught: ") + e.what());
     }
-    group.shutdown();
+    try {
+      group.barrier();
+    } catch (const UsageError& e) {
+      test::write_line(std::string("refused: ") + e.what());
+    }
   }
   test::write_line("returned through the destructors");
+  std::ofstream(done) << "done\n";
   _exit(0);
 }
 
+// A peer alive but silent: rank 0's collective waits for it (the timeout is
+// 60 s); shutdown() ends that wait at once, refuses what comes after, and
+// the destructors of the DDP and the group wait for nothing.
 TEST(PyTorchDdp, AShutDownGroupLetsAProgramReturnAfterAPeerIsLost) {
-  const test::Ran ran = test::run_program("PyTorchDdpProgram.Run", {"MNIST_DDP_TEST_SHUTDOWN=1"}, 60, 60s);
+  test::TempDir dir;
+  const test::Ran ran = test::run_program("PyTorchDdpProgram.Run", {"MNIST_DDP_TEST_SHUTDOWN=" + dir / "done"}, 60, 90s);
   EXPECT_EQ(ran.code, 0) << ran.output;
-  EXPECT_NE(ran.output.find("caught: "), std::string::npos) << ran.output;
+  EXPECT_NE(ran.output.find("still in flight after 2 s"), std::string::npos) << ran.output;
+  EXPECT_NE(ran.output.find("caught: the process group was shut down (ProcessGroup::shutdown)"), std::string::npos)
+      << ran.output;
+  EXPECT_NE(ran.output.find("refused: the process group was shut down (ProcessGroup::shutdown): no collective runs "
+                            "on it after that"),
+            std::string::npos)
+      << ran.output;
   EXPECT_NE(ran.output.find("returned through the destructors"), std::string::npos) << ran.output;
-  EXPECT_LT(ran.seconds, 30) << "the group's destructor waited (about 3 s idle)\n" << ran.output;
+  EXPECT_LT(ran.seconds, 30 * test::kSlower) << "a wait outlived shutdown() (the timeout is 60 s)\n" << ran.output;
 }
 
 }  // namespace pytorch_behaviours

@@ -131,14 +131,7 @@ void add_launch_flags(CLI::App& app, Options& o) {
   app.add_option("--master-addr", o.master_addr, "Address of node 0, which hosts the store (or $MASTER_ADDR)");
   app.add_option("--master-port", o.master_port,
                  "Port of the store (or $MASTER_PORT); 0 picks a free one on a single node; 29500 for several")
-      ->check(CLI::Validator(
-          [](std::string& s) -> std::string {
-            long v = -1;
-            if (!CLI::detail::lexical_cast(s, v) || v < 0 || v > 65535)
-              return "must be a port number in 0..65535, got '" + s + "'";
-            return "";
-          },
-          "0..65535"));
+      ->transform(integer<int>(0, "a port number in 0..65535", 65535, ""));
   // A week at most: Gloo counts its timeout in int milliseconds (24 days).
   // A second at least: the store and Gloo count whole seconds in places.
   app.add_option("--timeout", o.timeout, "Seconds a rendezvous or collective may wait for a peer")

@@ -304,6 +304,18 @@ void Channel::settle() {
   while (!pending_.empty()) settle_oldest(true);
 }
 
+Channel::DeterminedRun::DeterminedRun(Channel& channel, uint64_t id, bool continues) : channel_(channel), id_(id) {
+  const bool goes_on = continues && channel_.run_id_ == id && channel_.run_ended_ + 1 == channel_.tasks_;
+  channel_.run_ = goes_on ? Run::following : Run::first;
+}
+
+Channel::DeterminedRun::~DeterminedRun() {
+  // Checked (its first collective, or the run it went on from): the next task may go on from it.
+  channel_.run_ended_ = channel_.run_ == Run::following ? channel_.tasks_ : 0;
+  channel_.run_id_ = id_;
+  channel_.run_ = Run::none;
+}
+
 std::optional<Channel::Issued> Channel::abstain(const Issuer& as) {
   TORCH_CHECK(check_ != Check::off && world_size() > 1, "abstain: needs the check and another rank");
   settle();

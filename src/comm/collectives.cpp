@@ -40,7 +40,9 @@ struct CollectiveStream::Core {
   bool error_seen = false;  // a wait has thrown it
   std::map<Ticket, std::exception_ptr> refused;  // RefusedEverywhere, by task: only its wait throws it
   bool stopping = false;
-  std::exception_ptr abandoned;  // abandon()'s reason
+  std::exception_ptr abandoned;  // abandon()'s reason, for the tasks posted before it
+  std::exception_ptr refused_later;  // abandon()'s word for the tasks posted after it
+  Ticket abandoned_at = 0;       // the first ticket posted after it
   std::shared_ptr<StreamProbe> probe;  // the posting threads' view, under mutex
 };
 
@@ -81,7 +83,7 @@ CollectiveStream::Ticket CollectiveStream::post(Task task, Issuer issuer, Skippe
   }
   const Ticket ticket = core_->posted++;
   if (core_->abandoned) {  // never run: the loop may have ended
-    const auto why = core_->abandoned;
+    const auto why = core_->refused_later;
     lock.unlock();
     if (skipped) skipped(why);
     return ticket;
@@ -111,7 +113,8 @@ void CollectiveStream::wait(Ticket ticket) {
         core.error_seen = true;
         std::rethrow_exception(mismatch);
       }
-  if (core.abandoned && core.finished <= ticket) std::rethrow_exception(core.abandoned);
+  if (core.abandoned && core.finished <= ticket)
+    std::rethrow_exception(ticket >= core.abandoned_at ? core.refused_later : core.abandoned);
   const auto refused = core.refused.find(ticket);
   if (refused != core.refused.end()) {
     const auto error = refused->second;
@@ -124,15 +127,22 @@ void CollectiveStream::wait(Ticket ticket) {
   }
 }
 
+bool CollectiveStream::wait_for(Ticket ticket, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(core_->mutex);
+  return core_->cv.wait_for(lock, timeout, [&] { return core_->finished > ticket || core_->abandoned; });
+}
+
 bool CollectiveStream::finished(Ticket ticket) {
   std::lock_guard<std::mutex> lock(core_->mutex);
   return core_->finished > ticket;
 }
 
-void CollectiveStream::abandon(std::exception_ptr why) {
+void CollectiveStream::abandon(std::exception_ptr why, std::exception_ptr later) {
   {
     std::lock_guard<std::mutex> lock(core_->mutex);
     core_->abandoned = why;
+    core_->refused_later = later ? later : why;
+    core_->abandoned_at = core_->posted;
     if (!core_->error) {
       core_->error = why;
       core_->failed = core_->posted;
@@ -204,6 +214,7 @@ class LaneBusy {
 void run_task(CollectiveStream::Task& task, const Issuer& issuer, Channel& channel, std::exception_ptr& failed,
               bool& refused) {
   if (auto probe = channel.link().probe) probe->running();
+  channel.starting_task();
   channel.set_issuer(issuer);
   LaneBusy busy(*channel.link().lane());
   try {

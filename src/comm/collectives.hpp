@@ -275,17 +275,23 @@ class Channel {
   // layout when the DDP was built). While one lasts, the first collective
   // is checked and the rest, where the check goes before the transfer and
   // every rank issues, go out unchecked: PowerSGD's dependent collectives
-  // pay one check's round trip, not one each.
+  // pay one check's round trip, not one each. A run may go on in the next
+  // task of the lane (`id`, `continues`: the next bucket of the same
+  // backward, whose sizes the layout fixes too), so that a backward's
+  // buckets pay one check between them; any other task between ends it.
   class DeterminedRun {
    public:
-    explicit DeterminedRun(Channel& channel) : channel_(channel) { channel_.run_ = Run::first; }
-    ~DeterminedRun() { channel_.run_ = Run::none; }
+    explicit DeterminedRun(Channel& channel, uint64_t id = 0, bool continues = false);
+    ~DeterminedRun();
     DeterminedRun(const DeterminedRun&) = delete;
     DeterminedRun& operator=(const DeterminedRun&) = delete;
 
    private:
     Channel& channel_;
+    uint64_t id_;
   };
+  // The stream's thread starts a task (for DeterminedRun's continuation).
+  void starting_task() { ++tasks_; }
 
  private:
   // What a rank says of the collective it is about to issue.
@@ -341,6 +347,9 @@ class Channel {
   const int64_t inline_;  // elements of a sum the check can carry: kInline, or 0 where it never does
   int active_;            // see active_ranks()
   enum class Run { none, first, following } run_ = Run::none;  // see DeterminedRun
+  uint64_t tasks_ = 0;       // tasks this lane has started
+  uint64_t run_ended_ = 0;   // the task in which the last run ended, checked
+  uint64_t run_id_ = 0;      // and its id
   std::deque<std::unique_ptr<Pending>> pending_;  // Check::alongside: issued, not yet verified
 };
 
@@ -385,6 +394,9 @@ class CollectiveStream {
   // hook, calling a collective) is a UsageError at once: it would wait for
   // itself.
   void wait(Ticket ticket);
+  // Waits at most `timeout` for task `ticket` to run (or be skipped);
+  // whether it has. Throws nothing (wait() says how it ended).
+  bool wait_for(Ticket ticket, std::chrono::milliseconds timeout);
   // post + wait.
   void run(const Task& task, Issuer issuer = Issuer("a task on the stream"));
   // post(), with a future that completes with what `task` returns, or with
@@ -393,10 +405,11 @@ class CollectiveStream {
   std::pair<Ticket, FuturePtr> post_for(std::function<c10::IValue(Channel&)> task, Issuer issuer);
   // Whether task `ticket` has run (or been skipped).
   bool finished(Ticket ticket);
-  // Gives the stream up (ProcessGroup::shutdown): every wait, now and
-  // later, throws `why`; no further task runs; a task still waiting on a
-  // peer is left to the process's end.
-  void abandon(std::exception_ptr why);
+  // Gives the stream up (ProcessGroup::shutdown): every wait on a task
+  // posted before throws `why`, on one posted after `later` (`why` where
+  // null); no further task runs; a task still waiting on a peer is left to
+  // the process's end.
+  void abandon(std::exception_ptr why, std::exception_ptr later = nullptr);
   // Waits until every task posted so far has run or been skipped, throwing
   // nothing (a no-op on the stream's own thread).
   void drain();

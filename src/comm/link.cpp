@@ -160,6 +160,8 @@ void Link::broadcast(torch::Tensor& tensor, int root) {
 std::vector<torch::Tensor> Link::gather_to_rank0(const torch::Tensor& tensor) {
   std::vector<at::Tensor> input{movable(tensor.to(staging()).contiguous())};
   issue("gather", input[0]);
+  if (tensor.numel() == 0)  // Gloo divides by the size of what it gathers: nothing to move, nothing sent
+    return rank() == 0 ? std::vector<torch::Tensor>(world_size(), tensor.cpu()) : std::vector<torch::Tensor>();
   std::vector<std::vector<at::Tensor>> output;
   if (rank() == 0) {
     output.emplace_back();
@@ -177,6 +179,11 @@ std::vector<torch::Tensor> Link::gather_to_rank0(const torch::Tensor& tensor) {
 torch::Tensor Link::allgather(const torch::Tensor& tensor) {
   std::vector<at::Tensor> input{movable(tensor.contiguous())};
   issue("allgather", input[0]);
+  if (tensor.numel() == 0) {  // Gloo divides by the size of what it gathers (SIGFPE): nothing to move
+    std::vector<int64_t> shape{world_size()};
+    for (const auto d : tensor.sizes()) shape.push_back(d);
+    return torch::empty(shape, tensor.options());
+  }
   std::vector<std::vector<at::Tensor>> output(1);
   for (int r = 0; r < world_size(); ++r) output[0].push_back(torch::empty_like(input[0]));
   finish(group_->allgather(output, input));

@@ -17,7 +17,16 @@ struct Work::State {
 };
 
 void Work::wait() const { state_->stream->wait(state_->ticket); }
+bool Work::wait(std::chrono::milliseconds timeout) const {
+  if (!state_->stream->wait_for(state_->ticket, timeout)) return false;
+  wait();
+  return true;
+}
 bool Work::is_completed() const { return state_->future->completed(); }
+bool Work::is_success() const { return state_->future->completed() && !state_->future->hasError(); }
+std::exception_ptr Work::exception() const {
+  return state_->future->completed() && state_->future->hasError() ? state_->future->exception_ptr() : nullptr;
+}
 FuturePtr Work::get_future() const { return state_->future; }
 
 namespace {
@@ -118,10 +127,12 @@ void ProcessGroup::shutdown() const {
   GroupState& s = base_of(*this);
   s.shut_down = true;
   const auto why = std::make_exception_ptr(PeerLost("the process group was shut down (ProcessGroup::shutdown)"));
+  const auto later = std::make_exception_ptr(UsageError(
+      "the process group was shut down (ProcessGroup::shutdown): no collective runs on it after that"));
   std::vector<std::shared_ptr<CollectiveStream>> streams;
   for (const auto& weak : s.streams)
     if (auto stream = weak.lock()) streams.push_back(std::move(stream));
-  for (const auto& stream : streams) stream->abandon(why);
+  for (const auto& stream : streams) stream->abandon(why, later);
   // Every collective waiting in a check or a transfer ends with it; NCCL's
   // communicators are aborted, so that kernels waiting on a peer return.
   if (s.watch)

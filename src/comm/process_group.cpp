@@ -58,9 +58,16 @@ std::shared_ptr<CollectiveStream> make_stream(GroupState& s, const std::string& 
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, s.store);
   GroupPtr group = form_group(s, backend, prefixed);
   std::unique_ptr<SharedMemoryReducer> shared;
-  if (s.shared_memory && s.world_size > 1)
-    shared = std::make_unique<SharedMemoryReducer>(*prefixed, s.rank, s.world_size, s.timeout,
-                                                   [&] { group->barrier()->wait(); });
+  if (s.shared_memory && s.world_size > 1) {
+    try {
+      shared = std::make_unique<SharedMemoryReducer>(*prefixed, s.rank, s.world_size, s.timeout,
+                                                     [&] { group->barrier()->wait(); });
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {  // no /dev/shm, or no room in it: in the library's hierarchy
+      throw Error("shared memory for the sums on this host: " + error_line(e));
+    }
+  }
   GroupPtr check_group;
   if (s.world_size > 1 && s.check != Check::off && !shared && (backend.on_device || !blocking))
     check_group = form_group(s, backend_named("gloo"), c10::make_intrusive<c10d::PrefixStore>(name + "/check", s.store));
@@ -393,6 +400,10 @@ ProcessGroup join_or_stay_alone(const ProcessGroupOptions& options) {
 }  // namespace
 
 ProcessGroup init_process_group(const ProcessGroupOptions& options) {
+  // One join a process: a thread that calls while another joins waits for
+  // that group, and gets it (or is refused, as any second call).
+  static std::mutex joining;
+  std::lock_guard<std::mutex> one_at_a_time(joining);
   if (const auto joined = joined_before(options)) return *joined;
   try {
     ProcessGroup group = join_or_stay_alone(options);

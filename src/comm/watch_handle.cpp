@@ -70,9 +70,10 @@ FuturePtr CollectiveWatch::watch(const std::shared_ptr<LaneState>& lane, const p
     std::lock_guard<std::mutex> lock(lane->mutex);
     ++lane->in_flight;
   }
+  std::exception_ptr failed;
   {
     std::lock_guard<std::mutex> lock(dog_->mutex);
-    if (dog_->failure) wait->verdict = dog_->failure;
+    failed = dog_->failure;
     dog_->waits.push_back(wait);
   }
   if (ends == Ends::future)
@@ -85,7 +86,7 @@ FuturePtr CollectiveWatch::watch(const std::shared_ptr<LaneState>& lane, const p
       if (source.hasError()) wait->done->setErrorIfNeeded(source.exception_ptr());
       else wait->done->markCompleted(source.value());
     });
-  if (wait->verdict) dog_->fail(wait, wait->verdict);
+  if (failed) dog_->fail(wait, failed);  // the group has failed: this ends at once too
   return result;
 }
 
@@ -122,9 +123,13 @@ std::shared_ptr<CollectiveWatch::Wait> CollectiveWatch::begin_wait(const std::sh
   auto wait = wait_of<Wait>(lane, checking);
   wait->ends = Ends::abort;
   wait->work = work;
-  std::lock_guard<std::mutex> lock(dog_->mutex);
-  if (dog_->failure) wait->verdict = dog_->failure;
-  dog_->waits.push_back(wait);
+  std::exception_ptr failed;
+  {
+    std::lock_guard<std::mutex> lock(dog_->mutex);
+    failed = dog_->failure;
+    dog_->waits.push_back(wait);
+  }
+  if (failed) dog_->fail(wait, failed);
   return wait;
 }
 
@@ -145,10 +150,18 @@ namespace {
 
 // The watchdogs a thread has posted to, so that it leaves their count when it ends.
 struct PosterOf {
-  std::vector<std::pair<std::weak_ptr<void>, std::function<void()>>> watches;
+  struct Entry {
+    const void* dog;  // which watchdog, compared before its registry is locked
+    std::weak_ptr<void> alive;
+    std::function<void()> leave;
+  };
+  std::vector<Entry> watches;
+  bool knows(const void* dog) const {
+    return std::any_of(watches.begin(), watches.end(), [&](const Entry& e) { return e.dog == dog && !e.alive.expired(); });
+  }
   ~PosterOf() {
-    for (auto& [alive, leave] : watches)
-      if (alive.lock()) leave();
+    for (auto& e : watches)
+      if (e.alive.lock()) e.leave();
   }
 };
 thread_local PosterOf t_poster;
@@ -156,18 +169,19 @@ thread_local PosterOf t_poster;
 }  // namespace
 
 void CollectiveWatch::posting() {
+  if (t_poster.knows(dog_.get())) return;  // every post but a thread's first
   const auto id = std::this_thread::get_id();
   {
     std::lock_guard<std::mutex> lock(dog_->mutex);
     if (!dog_->posters.emplace(id, 0).second) return;
   }
   std::weak_ptr<Watchdog> dog = dog_;
-  t_poster.watches.emplace_back(dog_, [dog, id] {
+  t_poster.watches.push_back({dog_.get(), dog_, [dog, id] {
     if (auto held = dog.lock()) {
       std::lock_guard<std::mutex> lock(held->mutex);
       held->posters.erase(id);
     }
-  });
+  }});
 }
 
 CollectiveWatch::Blocked::Blocked(CollectiveWatch* watch) : watch_(watch) {
@@ -245,24 +259,20 @@ std::string CollectiveWatch::mismatch_line(const std::string& lane, uint64_t pos
 }
 
 std::exception_ptr CollectiveWatch::explain_loss(LaneState& lane, std::exception_ptr error) {
+  bool checking;
   uint64_t position;
   Issuer issuer;
   std::string what;
   {
     std::lock_guard<std::mutex> lock(lane.mutex);
-    if (!lane.checking) {  // past the check: every rank reached this collective
-      try {
-        if (auto found = dog_->deadlock_found(true)) return found;
-      } catch (const std::exception&) {
-      }
-      return error;
-    }
+    checking = lane.checking;  // past the check, every rank reached this collective
     position = lane.passed;
     issuer = lane.issuer;
     what = lane.what;
   }
   try {
     if (auto found = dog_->deadlock_found(true)) return found;
+    if (!checking) return error;
     if (auto mismatch = dog_->ended_before(lane.name, position, issuer, what, dog_->read_ended())) return mismatch;
   } catch (const std::exception&) {
     // The store is gone with the peer: the loss is all there is to say.

@@ -59,7 +59,15 @@ std::string library_advice(const std::vector<Whereabouts>& where) {
   if (any(kind(kJoined)) && !all(kind(kJoined)))
     return "every rank must call ddp.join() around its training loop, and a rank whose data ran out serves only "
            "the DistributedDataParallel it joined";
-  if (any(training) && !all(training)) return kUnevenAdvice;
+  if (any(training) && !all(training)) {
+    // One rank in a collective of the program's own where the others train:
+    // an extra collective on some ranks, or a rank whose steps ran out.
+    if (any(kind(kProgram)))
+      return "every rank must issue the program's own collectives at the same point of its loop (here some ranks "
+             "issue one where the others train); if the ranks ran different numbers of steps (uneven inputs), give "
+             "every rank as many batches, or wrap each rank's training loop in ddp.join()";
+    return kUnevenAdvice;
+  }
   if (any(kind(kSyncBnForward))) return kSyncBnAdvice;
   if (all([](const Whereabouts& w) { return !w.ended && (w.issuer.kind == kBucket || w.issuer.kind == kHookAgreement); }))
     return "every rank must build the same model and register the same communication hook";

@@ -29,8 +29,9 @@ Averager::Averager(std::shared_ptr<CollectiveStream> stream, int model)
     : stream_(std::move(stream)), model_(model), hook_(hooks::allreduce()) {}
 
 CollectiveStream::Ticket Averager::post(const hooks::GradBucket& bucket) {
-  const auto ticket = stream_->post([self = shared_from_this(), bucket](Channel& channel) { self->communicate(bucket, channel); },
-                                    bucket_issuer(model_, static_cast<int>(bucket.index())));
+  const auto ticket = stream_->post(
+      [self = shared_from_this(), bucket, round = round_.load()](Channel& channel) { self->communicate(bucket, round, channel); },
+      bucket_issuer(model_, static_cast<int>(bucket.index())));
   std::lock_guard<std::mutex> lock(mutex_);
   posted_.push_back(ticket);
   return ticket;
@@ -62,13 +63,18 @@ void Averager::agree_on_hook(Channel& channel) {
   hook_agreed_ = true;
 }
 
-void Averager::communicate(const hooks::GradBucket& bucket, Channel& channel) {
+// Note on checks of buckets. A hook of ours over a backward's buckets is
+// checked once, at the first collective of its first dense bucket: the
+// sizes of the rest follow from the layout (compared when the DDP was
+// built) and the hook (compared at the first backward), and a backward's
+// buckets are posted one after another on the lane, nothing between them.
+void Averager::communicate(const hooks::GradBucket& bucket, uint64_t round, Channel& channel) {
   if (bucket.index() == 0 && !hook_agreed_) agree_on_hook(channel);
   FuturePtr result;
   if (bucket.buffer().defined()) {
     hooks::GroupWire wire(channel, wire_);
     std::optional<Channel::DeterminedRun> run;
-    if (determined(*hook_)) run.emplace(channel);
+    if (determined(*hook_)) run.emplace(channel, round, bucket.index() > 0);
     result = hook_->run(bucket, wire);
   } else {  // a sparse gradient, summed as one (the hook takes dense buckets)
     const torch::Tensor& param = bucket.parameters()[0];
@@ -102,6 +108,7 @@ void Averager::take(double scale, double divisor) {
     std::lock_guard<std::mutex> lock(mutex_);
     posted.swap(posted_);
   }
+  next_round();
   const auto start = std::chrono::steady_clock::now();
   std::exception_ptr error;
   for (const auto ticket : posted) {

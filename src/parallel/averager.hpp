@@ -37,6 +37,9 @@ class Averager : public std::enable_shared_from_this<Averager> {
   // bucket of the first averaging compares every rank's hook first) and
   // leaves its future, without waiting for it.
   CollectiveStream::Ticket post(const hooks::GradBucket& bucket);
+  // A backward's buckets are done (take() calls it): the next post() is
+  // the next backward's first.
+  void next_round() { ++round_; }
   // Posts the sum of `mine` (one number a parameter) over the ranks into `into`.
   CollectiveStream::Ticket post_count(const torch::Tensor& mine, std::shared_ptr<torch::Tensor> into);
   // Waits for every task posted since the last take(), then for every
@@ -50,7 +53,7 @@ class Averager : public std::enable_shared_from_this<Averager> {
   double wait_seconds() const { return wait_seconds_; }
 
  private:
-  void communicate(const hooks::GradBucket& bucket, Channel& channel);
+  void communicate(const hooks::GradBucket& bucket, uint64_t round, Channel& channel);
   void agree_on_hook(Channel& channel);
   std::exception_ptr first_error(std::exception_ptr error, const hooks::GradBucket& bucket);
 
@@ -66,6 +69,7 @@ class Averager : public std::enable_shared_from_this<Averager> {
   std::mutex mutex_;
   std::vector<InFlight> in_flight_;                 // under mutex_
   std::vector<CollectiveStream::Ticket> posted_;    // under mutex_
+  std::atomic<uint64_t> round_{1};  // backwards averaged so far, plus one: a DeterminedRun's id
   double wait_seconds_ = 0;
 };
 

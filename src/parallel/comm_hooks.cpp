@@ -109,11 +109,12 @@ std::string CompressWrapper::describe() const {
   return (type_ == torch::kHalf ? "float16" : "bfloat16") + std::string(" on the wire, over ") + inner_->describe();
 }
 
+// Its future is returned unwaited (the bucket's averaging goes on while
+// the next bucket is issued): what completes it, CastWire's continuation,
+// holds the two tensors it touches, never a wire.
 FuturePtr CompressWrapper::run(const GradBucket& bucket, Wire& wire) {
   CastWire low(wire, type_);
-  FuturePtr result = inner_->run(bucket, low);
-  result->waitAndThrow();  // `low` lives in this frame
-  return result;
+  return inner_->run(bucket, low);
 }
 
 CommHookPtr allreduce() { return std::make_shared<AllreduceHook>(); }

@@ -63,29 +63,34 @@ std::set<const void*> sparse_weights(torch::nn::Module& module) {
   return weights;
 }
 
-int64_t mib(double mb) {  // bucket caps: a number of MiB, finite and positive (checked), in bytes
-  return static_cast<int64_t>(std::min(mb, 1e12) * 1024 * 1024);
-}
+// A bucket cap of `mb` MiB (positive: checked), in bytes; a cap beyond a
+// TiB (infinity included) is no cap, never a conversion out of range.
+int64_t mib(double mb) { return static_cast<int64_t>(std::min(mb, 1e6) * 1024 * 1024); }
 
 }  // namespace
 
+// One broadcast, whatever the tensors' dtypes: their bytes, laid end to
+// end, widest elements first, so that each lies where a view of its own
+// type may begin (a copy moves bytes alike, so every rank ends bit for bit
+// with the authority's).
 void broadcast_from_authority(CollectiveStream& stream, const std::vector<torch::Tensor>& tensors,
                               const Issuer& issuer) {
   if (stream.world_size() == 1 || tensors.empty()) return;
   torch::NoGradGuard no_grad;
-  std::map<c10::ScalarType, std::vector<torch::Tensor>> by_type;
-  for (const auto& t : tensors) by_type[t.scalar_type()].push_back(t);
-  for (auto& [type, list] : by_type) {
-    std::vector<torch::Tensor> flat_parts;
-    for (const auto& t : list) flat_parts.push_back(t.reshape(-1));
-    auto flat = torch::cat(flat_parts);
-    torch::Tensor sent = flat.is_complex() ? torch::view_as_real(flat).reshape(-1) : flat;
-    stream.broadcast(sent, kAuthority, issuer);
-    int64_t offset = 0;
-    for (auto& t : list) {
-      t.copy_(flat.slice(0, offset, offset + t.numel()).view_as(t));
-      offset += t.numel();
-    }
+  std::vector<size_t> order(tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return tensors[a].element_size() > tensors[b].element_size(); });
+  std::vector<torch::Tensor> parts;
+  for (size_t i : order) parts.push_back(tensors[i].detach().contiguous().reshape(-1).view(torch::kUInt8));
+  torch::Tensor flat = torch::cat(parts);
+  stream.broadcast(flat, kAuthority, issuer);
+  int64_t at = 0;
+  for (size_t i : order) {
+    const torch::Tensor& t = tensors[i];
+    const int64_t n = t.numel() * static_cast<int64_t>(t.element_size());
+    torch::Tensor(t).copy_(flat.slice(0, at, at + n).view(t.scalar_type()).view(t.sizes()));
+    at += n;
   }
 }
 
@@ -127,7 +132,7 @@ void Reducer::init() {
   use_library_advice();
   if (!module_) throw UsageError("DistributedDataParallel: the module is null (an empty module holder?)");
   for (const double cap : {options_.bucket_cap_mb(), options_.first_bucket_cap_mb()})
-    if (!(cap > 0) || !std::isfinite(cap))
+    if (!(cap > 0))  // NaN and negatives; infinity is no cap
       throw UsageError("DistributedDataParallel: bucket_cap_mb and first_bucket_cap_mb must be positive numbers of MiB");
   for (const auto& name : options_.params_to_ignore()) {
     auto named = [&](const auto& list) {

@@ -27,6 +27,7 @@
 #include <torch/arg.h>
 
 #include <chrono>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
@@ -80,7 +81,14 @@ class Work {
   // Blocks until the collective has completed; throws its failure (an
   // mnist_ddp::Error).
   void wait() const;
+  // Blocks at most `timeout`: true once the collective has completed (its
+  // failure thrown, as wait()), false while it is still in flight.
+  bool wait(std::chrono::milliseconds timeout) const;
   bool is_completed() const;
+  // Completed without a failure.
+  bool is_success() const;
+  // Its failure (an mnist_ddp::Error) once it failed; null otherwise.
+  std::exception_ptr exception() const;
   // Completes with the collective's result (its tensor; allgather's
   // stacked tensor), or with its failure.
   FuturePtr get_future() const;

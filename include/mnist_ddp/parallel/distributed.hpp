@@ -254,9 +254,10 @@ class DistributedDataParallel : public DistributedDataParallelBase {
   // its DDP: every rank wraps the same model, in the same order.
   DistributedDataParallel(std::shared_ptr<Module> module, const ProcessGroup& group, const DdpOptions& options = {})
       : DistributedDataParallelBase(module, group, options), module_(std::move(module)) {}
+  // An empty holder (`Net net{nullptr}`) is a UsageError, as a null module.
   DistributedDataParallel(const torch::nn::ModuleHolder<Module>& module, const ProcessGroup& group,
                           const DdpOptions& options = {})
-      : DistributedDataParallel(module.ptr(), group, options) {}
+      : DistributedDataParallel(module.is_empty() ? nullptr : module.ptr(), group, options) {}
   // A model held by value (`Net model;`) cannot be shared with DDP: refused
   // at compile time.
   template <typename T, typename = std::enable_if_t<detail::is_module_by_value_v<T>>>
