@@ -289,8 +289,8 @@ TEST_F(Hostile, ASecretThatCannotBeReadOrDiffersIsOneLine) {
   for (const auto& [file, why] : std::vector<std::pair<std::string, std::string>>{
            {dir_ / "no-such-file", ": No such file or directory"}, {dir_ / "a-dir", " is a directory, not a file"},
            {dir_ / "empty", " is empty"}}) {
-    // Node 0 alone: its store tells nobody for --timeout 2, then it ends.
-    const int code = exit_code(Process(node(0, "2"), dir_ / "bad.txt", {"MNIST_DDP_SECRET_FILE=" + file}).wait(30s));
+    // Node 0 alone: its store tells nobody for --timeout 1, then it ends.
+    const int code = exit_code(Process(node(0, "1"), dir_ / "bad.txt", {"MNIST_DDP_SECRET_FILE=" + file}).wait(30s));
     const std::string text = read_text(dir_ / "bad.txt");
     EXPECT_EQ(code, 2) << text;
     EXPECT_EQ(error_lines(text), 1) << text;
@@ -298,7 +298,7 @@ TEST_F(Hostile, ASecretThatCannotBeReadOrDiffersIsOneLine) {
     EXPECT_EQ(text.find("terminate called"), std::string::npos) << text;
   }
   // Readable by others: one warning, then the run goes on (here to a store that is not there).
-  Process alone(node(1, "2"), dir_ / "alone.txt", {"MNIST_DDP_SECRET_FILE=" + (dir_ / "shared")});
+  Process alone(node(1, "1"), dir_ / "alone.txt", {"MNIST_DDP_SECRET_FILE=" + (dir_ / "shared")});
   EXPECT_NE(exit_code(alone.wait(30s)), 0);
   EXPECT_NE(read_text(dir_ / "alone.txt").find("mnist_ddp: warning: MNIST_DDP_SECRET_FILE=" + (dir_ / "shared") +
                                                " can be read by other users (mode 0644)"),

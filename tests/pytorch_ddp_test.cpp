@@ -499,6 +499,23 @@ TEST(PyTorchDdp, JoinDividesByTheActiveRanksOrThrowsEverywhereAsItsOptionsSay) {
   EXPECT_EQ(ran, (std::vector<int>{1, 1}));
 }
 
+// The installed headers offer no way in to the library's own state: no
+// handle made from it, no accessor of it (a program that tried would not
+// compile; checked here as what a program could write).
+template <typename T, typename = void>
+struct HasImpl : std::false_type {};
+template <typename T>
+struct HasImpl<T, std::void_t<decltype(std::declval<T&>().impl())>> : std::true_type {};
+template <typename T, typename = void>
+struct HasState : std::false_type {};
+template <typename T>
+struct HasState<T, std::void_t<decltype(std::declval<T&>().state())>> : std::true_type {};
+static_assert(!std::is_constructible_v<ProcessGroup, std::nullptr_t>, "ProcessGroup(nullptr) compiles");
+static_assert(!std::is_constructible_v<ProcessGroup, std::shared_ptr<ProcessGroup::State>>, "a group from its state");
+static_assert(!std::is_constructible_v<Work, std::shared_ptr<Work::State>>, "a Work from its state");
+static_assert(!HasState<ProcessGroup>::value, "ProcessGroup::state() is public");
+static_assert(!HasImpl<DistributedDataParallelBase>::value, "DistributedDataParallelBase::impl() is public");
+
 // Mistakes each refused in one line of the library's hierarchy, never a
 // crash: a null module, a PowerSGD of rank 0, an autocast this LibTorch
 // lacks, one model in two DDPs, parameters registered in another order.
@@ -516,6 +533,16 @@ TEST(PyTorchDdp, MistakesInTheApiAreOneLineErrorsNotCrashes) {
             "convert_sync_batchnorm: the module is null");
   EXPECT_EQ(message([] { hooks::powersgd(hooks::PowerSgdOptions().matrix_approximation_rank(0)); }),
             "PowerSgdOptions: matrix_approximation_rank 0: must be at least 1");
+  // As PyTorch's PowerSGDState: with error feedback or warm start, the first step's buckets may be rebuilt.
+  for (const auto& options : {hooks::PowerSgdOptions().start_powersgd_iter(1),
+                              hooks::PowerSgdOptions().start_powersgd_iter(0).use_error_feedback(false)})
+    EXPECT_EQ(message([&] { hooks::powersgd(options); }).find("PowerSgdOptions: start_powersgd_iter"), 0u)
+        << message([&] { hooks::powersgd(options); });
+  EXPECT_EQ(message([] {
+              hooks::powersgd(hooks::PowerSgdOptions().start_powersgd_iter(0).use_error_feedback(false).warm_start(false));
+            }),
+            "(accepted)");
+
   const std::string autocast = message([] { Autocast a(torch::kCPU, torch::kHalf); });
   if (autocast_unsupported(torch::kCPU, torch::kHalf).empty())
     EXPECT_EQ(autocast, "(accepted)");
@@ -530,8 +557,9 @@ TEST(PyTorchDdp, MistakesInTheApiAreOneLineErrorsNotCrashes) {
     torch::Tensor forward(const torch::Tensor& x) { return a(x) + b(x); }
     torch::nn::Linear a{nullptr}, b{nullptr};
   };
-  std::vector<std::string> said(2), twice(2);
+  std::vector<std::string> said(2), twice(2), empty(2);
   run_ranks(2, [&](ProcessGroup& group) {
+    empty[group.rank()] = message([&] { DistributedDataParallel<torch::nn::Linear> ddp(torch::nn::Linear(nullptr), group); });
     said[group.rank()] = message([&] { DistributedDataParallel ddp(std::make_shared<OrderedImpl>(group.rank() == 1), group); });
     auto model = std::make_shared<torch::nn::LinearImpl>(4, 2);
     DistributedDataParallel first(model, group);
@@ -542,6 +570,7 @@ TEST(PyTorchDdp, MistakesInTheApiAreOneLineErrorsNotCrashes) {
                        "tensors in another order: every rank must build the same model, with the same DdpOptions");
     EXPECT_EQ(twice[r], "DistributedDataParallel: this module is wrapped in another DistributedDataParallel "
                         "already; wrap each model once");
+    EXPECT_EQ(empty[r], "DistributedDataParallel: the module is null (an empty module holder?)");
   }
 }
 
