@@ -606,12 +606,12 @@ namespace mnist_ddp {
 namespace {
 
 // A peer that stops in the middle of a transfer (past its check): the
-// watchdog names it at the group's timeout (2 s here), a Timeout saying
+// watchdog names it at the group's timeout (1 s here), a Timeout saying
 // where the peer stands, not Gloo's failure 5 s later read as a lost peer.
 TEST(CollectiveWatch, APeerThatHangsMidTransferIsANamedTimeout) {
   for (const Sums sums : {Sums::gloo, Sums::shared_memory}) {
     test::Ranks how = summing(sums);
-    how.timeout = 2s;
+    how.timeout = 1s;
     const Caught caught = catch_on_ranks(
         2,
         [](ProcessGroup& group) {
@@ -622,11 +622,11 @@ TEST(CollectiveWatch, APeerThatHangsMidTransferIsANamedTimeout) {
         },
         how);
     const std::string where = sums == Sums::gloo ? "gloo" : "shared memory";
-    EXPECT_EQ(caught.said[0], "Timeout: rank 1 did not reach the test (allreduce, 1000 float32)'s transfer within 2 s "
+    EXPECT_EQ(caught.said[0], "Timeout: rank 1 did not reach the test (allreduce, 1000 float32)'s transfer within 1 s "
                               "(the timeout); rank 1 last passed the test (allreduce, 1000 float32)")
         << where;
     EXPECT_EQ(caught.said[1], "(passed)") << where;
-    EXPECT_LT(caught.took, 6s) << where << ": named at the timeout, before Gloo's own (7 s)";
+    EXPECT_LT(caught.took, 5s) << where << ": named at the timeout, before Gloo's own (6 s)";
   }
 }
 
@@ -635,13 +635,13 @@ TEST(CollectiveWatch, APeerThatHangsMidTransferIsANamedTimeout) {
 // waited for: the collective completes when rank 1 comes.
 TEST(CollectiveWatch, AStallWithoutEvidenceIsReportedOnceAndWaitedFor) {
   test::Ranks how;
-  how.timeout = 6s;
+  how.timeout = 3s;
   std::vector<double> got(2);
   testing::internal::CaptureStderr();
   run_ranks(
       2,
       [&](ProcessGroup& group) {
-        if (group.rank() == 1) std::this_thread::sleep_for(3s);
+        if (group.rank() == 1) std::this_thread::sleep_for(2s);
         auto t = torch::ones({10});
         quick_stream(group)->allreduce_sum(t, "the test");
         got[group.rank()] = t[0].item<double>();
@@ -649,9 +649,9 @@ TEST(CollectiveWatch, AStallWithoutEvidenceIsReportedOnceAndWaitedFor) {
       how);
   const std::string said = testing::internal::GetCapturedStderr();
   EXPECT_EQ(got, (std::vector<double>{2, 2}));
-  EXPECT_NE(said.find("[rank 0] mnist_ddp: rank 0 has waited 2 s in the test (allreduce, 10 float32); rank 1 has "
+  EXPECT_NE(said.find("[rank 0] mnist_ddp: rank 0 has waited 1 s in the test (allreduce, 10 float32); rank 1 has "
                       "issued nothing there yet; likely cause: every rank must issue the same collectives in the same "
-                      "order (docs/library.md, \"What is checked\"); waiting on, up to the timeout (6 s)"),
+                      "order (docs/library.md, \"What is checked\"); waiting on, up to the timeout (3 s)"),
             std::string::npos)
       << said;
   EXPECT_EQ(test::count_lines_with(said, "has waited"), 1) << said;
@@ -686,7 +686,7 @@ TEST(CollectiveWatch, AHooksFutureThatNeverCompletesIsNamedAtTheTimeout) {
     }
   };
   test::Ranks how;
-  how.timeout = 2s;
+  how.timeout = 1s;
   const Caught caught = catch_on_ranks(
       2,
       [](ProcessGroup& group) {
@@ -698,7 +698,7 @@ TEST(CollectiveWatch, AHooksFutureThatNeverCompletesIsNamedAtTheTimeout) {
       how);
   for (int r = 0; r < 2; ++r)
     EXPECT_EQ(caught.said[r], "Timeout: the future never returned for DDP bucket 0's backward did not complete within "
-                              "2 s (the timeout): a communication hook's future must complete")
+                              "1 s (the timeout): a communication hook's future must complete")
         << "rank " << r;
 }
 

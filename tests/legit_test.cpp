@@ -188,10 +188,10 @@ TEST(Legit, ARankThatStopsForEightSecondsWithinTheTimeout) { expect_runs_to_its_
 
 TEST(Legit, JoinWithARankThatHasNoBatchAtAllAndAGradScaler) { expect_runs_to_its_end("join-idle-rank"); }
 
-// Twice the timeout (3 s) of training on one rank while the other, joined
+// Twice the timeout (2 s) of training on one rank while the other, joined
 // at once, serves it: each wait of the joined rank lasts one step.
 TEST(Legit, JoinWithAnIdleRankWhileTheOtherTrainsLongerThanTheTimeout) {
-  expect_runs_to_its_end("join-outlasting-the-timeout", 3);
+  expect_runs_to_its_end("join-outlasting-the-timeout", 2);
 }
 
 TEST(Legit, LocalBackwardsThatAreAveragedLaterOrNeverStepped) { expect_runs_to_its_end("local-backwards"); }

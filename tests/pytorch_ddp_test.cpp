@@ -613,7 +613,7 @@ TEST(PyTorchDdpProgram, Run) {
     }
     auto t = torch::zeros({1000});
     const Work pending = group.allreduce_sum_async(t);
-    if (!pending.wait(2s)) test::write_line("still in flight after 2 s");
+    if (!pending.wait(1s)) test::write_line("still in flight after 1 s");
     group.shutdown();
     try {
       pending.wait();
@@ -638,7 +638,7 @@ TEST(PyTorchDdp, AShutDownGroupLetsAProgramReturnAfterAPeerIsLost) {
   test::TempDir dir;
   const test::Ran ran = test::run_program("PyTorchDdpProgram.Run", {"MNIST_DDP_TEST_SHUTDOWN=" + dir / "done"}, 60, 90s);
   EXPECT_EQ(ran.code, 0) << ran.output;
-  EXPECT_NE(ran.output.find("still in flight after 2 s"), std::string::npos) << ran.output;
+  EXPECT_NE(ran.output.find("still in flight after 1 s"), std::string::npos) << ran.output;
   EXPECT_NE(ran.output.find("caught: the process group was shut down (ProcessGroup::shutdown)"), std::string::npos)
       << ran.output;
   EXPECT_NE(ran.output.find("refused: the process group was shut down (ProcessGroup::shutdown): no collective runs "

@@ -28,7 +28,8 @@ struct CollectiveStream::Core {
     Ticket ticket;
     Task task;
     Issuer issuer;
-    Skipped skipped;  // told why, where the task is not run
+    Skipped skipped;       // told why, where the task is not run
+    bool program = false;  // a Work of the program's (post_for)
   };
   std::mutex mutex;
   std::condition_variable cv;
@@ -38,6 +39,8 @@ struct CollectiveStream::Core {
   std::exception_ptr error;
   Ticket failed = 0;    // the first failed task, when error is set
   bool error_seen = false;  // a wait has thrown it
+  bool error_program = false;  // it was a Work's, the program's to see
+  std::map<Ticket, bool> refused_program;  // the refusals of Works, by task
   std::map<Ticket, std::exception_ptr> refused;  // RefusedEverywhere, by task: only its wait throws it
   bool stopping = false;
   std::exception_ptr abandoned;  // abandon()'s reason, for the tasks posted before it
@@ -73,7 +76,7 @@ CollectiveStream::~CollectiveStream() {
   if (!core_->error && !core_->abandoned) core_->backend.shut_down(*core_->group);
 }
 
-CollectiveStream::Ticket CollectiveStream::post(Task task, Issuer issuer, Skipped skipped) {
+CollectiveStream::Ticket CollectiveStream::post(Task task, Issuer issuer, Skipped skipped, bool program) {
   if (watch_) watch_->posting();
   std::unique_lock<std::mutex> lock(core_->mutex);
   if (const auto probe = core_->probe) {
@@ -88,7 +91,7 @@ CollectiveStream::Ticket CollectiveStream::post(Task task, Issuer issuer, Skippe
     if (skipped) skipped(why);
     return ticket;
   }
-  core_->queue.push_back(Core::Queued{ticket, std::move(task), std::move(issuer), std::move(skipped)});
+  core_->queue.push_back(Core::Queued{ticket, std::move(task), std::move(issuer), std::move(skipped), program});
   core_->cv.notify_all();
   return ticket;
 }
@@ -119,6 +122,7 @@ void CollectiveStream::wait(Ticket ticket) {
   if (refused != core.refused.end()) {
     const auto error = refused->second;
     core.refused.erase(refused);
+    core.refused_program.erase(ticket);
     std::rethrow_exception(error);
   }
   if (core.error && ticket >= core.failed) {
@@ -163,8 +167,9 @@ void CollectiveStream::abort_backend() { core_->backend.abort(*core_->group); }
 
 std::exception_ptr CollectiveStream::unseen_failure() {
   std::lock_guard<std::mutex> lock(core_->mutex);
-  if (core_->error && !core_->error_seen) return core_->error;
-  if (!core_->refused.empty()) return core_->refused.begin()->second;
+  if (core_->error && !core_->error_seen && core_->error_program) return core_->error;
+  for (const auto& [ticket, program] : core_->refused_program)
+    if (program) return core_->refused.at(ticket);
   return nullptr;
 }
 
@@ -248,14 +253,17 @@ void CollectiveStream::loop(const std::shared_ptr<Core>& core) {
       run_task(next.task, next.issuer, core->channel, failed, refused);
     }
     const Ticket ticket = next.ticket;
+    const bool program = next.program;
     next = Core::Queued{};  // what the task held goes before it counts as finished
     {
       std::lock_guard<std::mutex> lock(core->mutex);
       if (failed && refused) {
         core->refused[ticket] = failed;
+        core->refused_program[ticket] = program;
       } else if (failed && !core->error) {
         core->error = failed;
         core->failed = ticket;
+        core->error_program = program;
       }
       core->finished = ticket + 1;
     }
@@ -278,7 +286,7 @@ std::pair<CollectiveStream::Ticket, FuturePtr> CollectiveStream::post_for(std::f
         }
         future->markCompleted(std::move(value));  // its callbacks run here: one that waits on this stream is refused
       },
-      std::move(issuer), [future](std::exception_ptr why) { future->setErrorIfNeeded(why); });
+      std::move(issuer), [future](std::exception_ptr why) { future->setErrorIfNeeded(why); }, /*program=*/true);
   return {ticket, future};
 }
 

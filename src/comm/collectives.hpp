@@ -104,14 +104,7 @@ class StreamProbe {
   virtual void checked() {}
 };
 
-// Note on the link. Without shared memory, a 16-bit float tensor on the CPU
-// (float16 of 64 Ki elements or more; bfloat16 always, which Gloo may not
-// add) goes round a ring of point-to-point transfers that adds in float32:
-// Gloo's own allreduce adds float16 one element at a time, which made the
-// fp16 hook slower than sending float32. The ring sends pieces of
-// kLinkPieceBytes, kLinkPiecesInFlight at a time, not a whole chunk per
-// exchange (docs/performance.md, "The link"). Everything else, float32
-// included, goes to Gloo's allreduce, asynchronously.
+// The ring's pieces (link.cpp, "Note on the link").
 constexpr int64_t kLinkPieceBytes = 256 * 1024;
 constexpr int kLinkPiecesInFlight = 2;
 // A float32 or float64 sum of at most this many elements travels inside
@@ -379,8 +372,11 @@ class CollectiveStream {
   // for the check and its messages. `skipped` is told why where the task
   // will not run (an earlier failure, abandon()), outside the stream's
   // lock. A task owns what it touches: it may run after its poster is gone.
+  // `program`: a Work of the program's, whose failure, where no wait ever
+  // throws it, is named when the group ends (unseen_failure()).
   using Skipped = std::function<void(std::exception_ptr)>;
-  Ticket post(Task task, Issuer issuer = Issuer("a task on the stream"), Skipped skipped = nullptr);
+  Ticket post(Task task, Issuer issuer = Issuer("a task on the stream"), Skipped skipped = nullptr,
+              bool program = false);
   // Blocks until task `ticket` has run. Rethrows what it threw, as an
   // mnist_ddp::Error (a backend's own exception becomes a PeerLost whose
   // line says what the lane was doing, the backend's text after it). Once a
@@ -415,8 +411,8 @@ class CollectiveStream {
   void drain();
   // Aborts the backend's group (Backend::abort): NCCL's communicators.
   void abort_backend();
-  // The first failure of a task no wait ever threw (a Work nobody waited
-  // on), or null.
+  // The first failure of a Work of the program's that no wait ever threw,
+  // or null.
   std::exception_ptr unseen_failure();
 
   // Blocking conveniences, one task each.

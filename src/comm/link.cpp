@@ -9,6 +9,15 @@
 
 namespace mnist_ddp {
 
+// Note on the link. Without shared memory, a 16-bit float tensor on the CPU
+// (float16 of 64 Ki elements or more; bfloat16 always, which Gloo may not
+// add) goes round a ring of point-to-point transfers that adds in float32:
+// Gloo's own allreduce adds float16 one element at a time, which made the
+// fp16 hook slower than sending float32. The ring sends pieces of
+// kLinkPieceBytes, kLinkPiecesInFlight at a time, not a whole chunk per
+// exchange (docs/performance.md, "The link"). Everything else, float32
+// included, goes to Gloo's allreduce, asynchronously.
+
 Link::Link(GroupPtr group, torch::Device device, const Backend& backend, std::unique_ptr<SharedMemoryReducer> shared,
            std::shared_ptr<CollectiveWatch> watch, std::shared_ptr<LaneState> lane)
     : group_(std::move(group)),

@@ -67,7 +67,13 @@ void Averager::agree_on_hook(Channel& channel) {
 // checked once, at the first collective of its first dense bucket: the
 // sizes of the rest follow from the layout (compared when the DDP was
 // built) and the hook (compared at the first backward), and a backward's
-// buckets are posted one after another on the lane, nothing between them.
+// buckets are posted one after another on the lane, nothing between them
+// (a rank whose backward stopped half-way posts the rest first thing at
+// its next forward: Iteration::left_open()). Where a rank has joined,
+// every collective is checked. A check made ahead of the first bucket (as
+// the forward begins) would take its round trip off the backward's path,
+// but a rank whose forward threw after it would leave its peers' first
+// bucket, unchecked, facing its next check: it is not made.
 void Averager::communicate(const hooks::GradBucket& bucket, uint64_t round, Channel& channel) {
   if (bucket.index() == 0 && !hook_agreed_) agree_on_hook(channel);
   FuturePtr result;

@@ -262,45 +262,6 @@ void Reducer::register_comm_hook(hooks::CommHookPtr hook) {
   hook_layout_known_ = false;
 }
 
-namespace {
-
-std::string joined(const std::vector<std::string>& names) {
-  std::string out;
-  for (const auto& n : names) out += (out.empty() ? "" : " ") + n;
-  return out;
-}
-
-}  // namespace
-
-void Reducer::follow_hook_layout() {
-  const auto kept = averager_->hook()->kept_for();
-  if (kept.empty()) return;  // nothing kept by bucket (yet)
-  hook_layout_known_ = true;
-  std::vector<std::vector<std::string>> ours;
-  for (const auto& b : layout_->buckets()) ours.push_back(b.parameter_names());
-  if (kept == ours) return;
-  std::vector<size_t> order;
-  for (const auto& bucket : kept)
-    for (const auto& name : bucket) {
-      const auto it = std::find(names_.begin(), names_.end(), name);
-      if (it != names_.end()) order.push_back(static_cast<size_t>(it - names_.begin()));
-    }
-  std::vector<size_t> sorted = order;
-  std::sort(sorted.begin(), sorted.end());
-  const bool every_parameter_once =
-      sorted.size() == params_.size() && std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
-  if (options_.static_graph() && iteration_->expected_fires().empty() && every_parameter_once) {
-    make_buckets(order);  // the order the saved run's buckets were rebuilt in
-    if (layout_->size() == kept.size()) return;
-  }
-  size_t b = 0;
-  while (b < kept.size() && b < ours.size() && kept[b] == ours[b]) ++b;
-  throw UsageError("register_comm_hook: the hook's state was kept for other buckets (its bucket " + std::to_string(b) +
-                   ": " + (b < kept.size() ? joined(kept[b]) : "none") + "; this DistributedDataParallel's: " +
-                   (b < ours.size() ? joined(ours[b]) : "none") +
-                   "): resume with the model, bucket_cap_mb and static_graph it was saved with");
-}
-
 Issuer Reducer::issuer(IssuerKind kind, const std::string& what) const { return ddp_issuer(kind, model_, what); }
 
 // ---- forward and backward ----

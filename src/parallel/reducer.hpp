@@ -11,9 +11,10 @@
 // - Averager (averager.hpp): the hook over each bucket, as tasks of the
 //   model's bulk stream that own what they touch, and the averages taken
 //   back.
-// ddp.join() is a layer above them (join.hpp). The code: reducer.cpp
+// ddp.join() is a layer above them (join.cpp). The code: reducer.cpp
 // (construction, forward, backward), distributed.cpp (the public face,
-// what the ranks compare, the replica check).
+// what the ranks compare, the replica check, the buckets a hook's state
+// was kept for).
 //
 // Note on order: buckets are posted strictly in index order, from
 // autograd's thread; a hook issues all of a bucket's collectives (PowerSGD
