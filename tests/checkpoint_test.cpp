@@ -46,6 +46,12 @@ void expect_same(const Checkpoint& a, const Checkpoint& b) {
   }
 }
 
+std::string hex32(uint32_t v) {
+  char text[16];
+  std::snprintf(text, sizeof text, "%08x", v);
+  return text;
+}
+
 std::string checkpoint_error(const std::string& dir) {
   try {
     load_checkpoint(dir);
@@ -189,23 +195,43 @@ TEST(Checkpoint, ADamagedManifestFallsBackToThePreviousCheckpointSayingWhy) {
   garbage_crc.replace(crc_at, 8, "zz!?zz!?");
   std::string flipped = manifest;
   flipped.replace(flipped.find("\nbatch 2\n"), 9, "\nbatch 7\n");
-  const std::vector<std::pair<std::string, std::string>> damages = {
-      {"a CRC32 that is no number", garbage_crc},
-      {"cut mid-line", manifest.substr(0, manifest.find("\nstep ") + 4)},
-      {"one digit flipped", flipped},
-      {"empty", ""},
+  // Forged with a checksum made anew, or as format 1 (no checksum): the
+  // training file's own copy of its manifest says otherwise.
+  const std::string forged_body = flipped.substr(0, flipped.rfind("checksum "));
+  const std::string resealed = forged_body + "checksum " + hex32(crc32_of(forged_body.data(), forged_body.size())) + "\n";
+  const std::string downgraded = "mnist_ddp checkpoint 1" + forged_body.substr(forged_body.find('\n'));
+  const std::vector<std::tuple<std::string, std::string, std::string>> damages = {
+      {"a CRC32 that is no number", garbage_crc, "its checksum does not match"},
+      {"cut mid-line", manifest.substr(0, manifest.find("\nstep ") + 4), "cut short"},
+      {"one digit flipped", flipped, "its checksum does not match its contents"},
+      {"empty", "", "not a mnist_ddp checkpoint manifest"},
+      {"a digit flipped and sealed anew", resealed, "it says 'batch 7' where its training file "},
+      {"a digit flipped as format 1", downgraded, "it says format 1, but its training file "},
   };
-  for (const auto& [what, text] : damages) {
+  for (const auto& [what, text, why] : damages) {
     SCOPED_TRACE(what);
     test::write_file(ckpt + "/manifest", text, false);
     CheckpointFiles read;
     ASSERT_NO_THROW(read = read_checkpoint_files(ckpt));
     EXPECT_NE(read.fallback.find(ckpt + "/manifest"), std::string::npos) << read.fallback;
+    EXPECT_NE(read.fallback.find(why), std::string::npos) << read.fallback;
     EXPECT_NE(read.fallback.find("using the checkpoint before it"), std::string::npos) << read.fallback;
     expect_same(parse_checkpoint(read), sample(31));
   }
-  test::write_file(ckpt + "/manifest", flipped, false);
-  EXPECT_NE(read_checkpoint_files(ckpt).fallback.find("its checksum does not match its contents"), std::string::npos);
+  // A manifest of format 1 over files of its time (no manifest inside) still reads.
+  const std::string old = dir / "old";
+  save_checkpoint(old, sample(33));
+  const std::string training = file_named(old, "training");
+  const std::vector<char> plain = serialize(sample(33).training);
+  test::write_file(training, std::string(plain.data(), plain.size()), false);
+  std::string format1 = test::read_text(old + "/manifest");
+  format1 = "mnist_ddp checkpoint 1" + format1.substr(format1.find('\n'), format1.rfind("checksum ") - format1.find('\n'));
+  const std::string entry = "file training " + training.substr(old.size() + 1) + " ";
+  const size_t size_at = format1.find(entry) + entry.size();
+  format1.replace(size_at, format1.find('\n', size_at) - size_at,
+                  std::to_string(plain.size()) + " " + hex32(crc32_of(plain.data(), plain.size())));
+  test::write_file(old + "/manifest", format1, false);
+  expect_same(load_checkpoint(old), sample(33));
   files::remove_file(ckpt + "/manifest");
   const CheckpointFiles read = read_checkpoint_files(ckpt);
   EXPECT_NE(read.fallback.find("has no manifest"), std::string::npos) << read.fallback;
@@ -279,7 +305,8 @@ std::vector<std::string> listing(const std::string& dir) {
 // whose contents verify is resumed from, saying so; a run of another
 // lineage saving there deletes none of them; files that carry no manifest
 // of their own (written before training files did) are refused in one
-// line that names them; a first save cut short is told apart.
+// line that names them; a first save cut short is told apart, and so are
+// a run's and its restart's (issue 55).
 TEST(Checkpoint, FilesWithoutAManifestAreRecoveredOrRefusedAndNeverDeleted) {
   TempDir dir;
   const std::string ckpt = dir / "checkpoint";
@@ -336,6 +363,23 @@ TEST(Checkpoint, FilesWithoutAManifestAreRecoveredOrRefusedAndNeverDeleted) {
   EXPECT_EQ(first_saves_cut_short(first)->size(), 2u);
   EXPECT_NE(checkpoint_error(first).find("(a first save cut short before its manifest)"), std::string::npos)
       << checkpoint_error(first);
+
+  // A run and its restart each cut short in their first save: a lone file
+  // of each, of generations 1 and 2; then a third run's lone model file
+  // above them. Still nothing saved, and a fresh start.
+  const std::string again = dir / "again/checkpoint";
+  files::make_directories(again);
+  const std::vector<char> model = serialize(sample(1).model);
+  test::write_file(again + "/model-1-0c0c0c0c.pt", std::string(model.data(), model.size()), false);
+  Checkpoint restart = sample(1);
+  restart.lineage = "0d0d0d0d";
+  save_checkpoint(again, restart);
+  for (const char* name : {"manifest", "model-2-0d0d0d0d.pt"}) files::remove_file(again + "/" + name);
+  ASSERT_EQ(listing(again), (std::vector<std::string>{"model-1-0c0c0c0c.pt", "training-2-0d0d0d0d.pt"}));
+  ASSERT_TRUE(first_saves_cut_short(again)) << checkpoint_error(again);
+  test::write_file(again + "/model-3-0e0e0e0e.pt", std::string(model.data(), model.size()), false);
+  ASSERT_TRUE(first_saves_cut_short(again)) << checkpoint_error(again);
+  EXPECT_EQ(resume_dir(test::parse({"--path", dir / "again", "--resume", "auto"})), "");
 }
 
 // A save that fails removes the files it wrote; a save removes its own

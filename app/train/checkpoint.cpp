@@ -1,7 +1,5 @@
 #include "app/train/checkpoint.hpp"
 
-#include <torch/csrc/jit/serialization/pickle.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -21,14 +19,6 @@ const char* const kPrevious = "manifest.previous";  // the checkpoint before the
 // manifest at that save (a first save).
 const char* const kEmbedded = "checkpoint/manifest";
 const char* const kFirstSave = "checkpoint/first_save";
-
-void add_state(const torch::nn::Module& module, const std::string& prefix, TensorDict& out) {
-  for (const auto& p : module.named_parameters(/*recurse=*/false))
-    out.insert(prefix + p.key(), p.value().detach().to(torch::kCPU).clone());
-  for (const auto& b : module.named_buffers(/*recurse=*/false))
-    out.insert(prefix + b.key(), b.value().detach().to(torch::kCPU).clone());
-  for (const auto& child : module.named_children()) add_state(*child.value(), prefix + child.key() + ".", out);
-}
 
 // A data file's name: role-<generation>[-<lineage>].pt.
 struct DataName {
@@ -95,46 +85,6 @@ std::string some_of(const std::vector<std::string>& names) {
   return out;
 }
 
-// The checkpoint `manifest_name` in `dir` describes, every file verified
-// against its size and CRC32. Throws CheckpointError saying what is wrong.
-CheckpointFiles read_files(const files::Directory& dir, const std::string& manifest_name) {
-  CheckpointFiles out;
-  out.dir = dir.path();
-  out.manifest_name = manifest_name;
-  auto read = [&](const std::string& name) {
-    try {
-      return dir.read(name);
-    } catch (const std::exception& e) {
-      throw CheckpointError(e.what());
-    }
-  };
-  out.manifest = read(manifest_name);
-  const Manifest m = parse_manifest(std::string(out.manifest.begin(), out.manifest.end()), dir.path_of(manifest_name));
-  for (const auto& [role, f] : m.files) {
-    const std::string path = dir.path_of(f.name);
-    if (!dir.has(f.name)) throw CheckpointError("checkpoint file " + path + " is missing");
-    std::vector<char> bytes = read(f.name);
-    if (bytes.size() != f.size)
-      throw CheckpointError("checkpoint file " + path + " is truncated (" + std::to_string(bytes.size()) + " of " +
-                            std::to_string(f.size) + " bytes)");
-    if (crc32_of(bytes.data(), bytes.size()) != f.crc)
-      throw CheckpointError("checkpoint file " + path + " is corrupt (CRC32 mismatch)");
-    (role == "model" ? out.model : out.training) = std::move(bytes);
-  }
-  return out;
-}
-
-// The checkpoint `manifest_name` describes, if it is whole; nullopt if not.
-std::optional<Manifest> intact(const files::Directory& dir, const std::string& manifest_name) {
-  if (!dir.has(manifest_name)) return std::nullopt;
-  try {
-    const CheckpointFiles f = read_files(dir, manifest_name);
-    return parse_manifest(std::string(f.manifest.begin(), f.manifest.end()), dir.path_of(manifest_name));
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
-}
-
 // The generation for the next save: above every one `dir` holds a trace
 // of, so that no save reuses the name of a file a manifest may still name.
 int64_t next_generation(const files::Directory& dir) {
@@ -163,6 +113,92 @@ bool ends_as_torch_save_ends(const std::vector<char>& bytes) {
   return std::memcmp(end, "PK\x05\x06", 4) == 0 && end[20] == 0 && end[21] == 0;
 }
 
+// What a training file carries: its save's manifest (its own entry size
+// 0), and whether that save was a first one. nullopt for a file of no such
+// manifest (written before format 2), or not whole.
+struct Carried {
+  Manifest manifest;
+  bool first_save = false;
+};
+
+std::optional<Carried> carried_by(const std::vector<char>& training, const std::string& path) {
+  try {
+    if (!ends_as_torch_save_ends(training)) return std::nullopt;
+    const TensorDict t = deserialize(training, path);
+    if (!t.contains(kEmbedded)) return std::nullopt;
+    const torch::Tensor text = t.at(kEmbedded).to(torch::kUInt8).contiguous();
+    return Carried{parse_manifest(std::string(reinterpret_cast<const char*>(text.data_ptr<uint8_t>()), text.numel()), path),
+                   t.contains(kFirstSave) && t.at(kFirstSave).item<int64_t>() != 0};
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+// The checkpoint `manifest_name` in `dir` describes, every file verified
+// against its size and CRC32. Throws CheckpointError saying what is wrong.
+CheckpointFiles read_files(const files::Directory& dir, const std::string& manifest_name) {
+  CheckpointFiles out;
+  out.dir = dir.path();
+  out.manifest_name = manifest_name;
+  auto read = [&](const std::string& name) {
+    try {
+      return dir.read(name);
+    } catch (const std::exception& e) {
+      throw CheckpointError(e.what());
+    }
+  };
+  out.manifest = read(manifest_name);
+  const Manifest m = parse_manifest(std::string(out.manifest.begin(), out.manifest.end()), dir.path_of(manifest_name));
+  for (const auto& [role, f] : m.files) {
+    const std::string path = dir.path_of(f.name);
+    if (!dir.has(f.name)) throw CheckpointError("checkpoint file " + path + " is missing");
+    std::vector<char> bytes = read(f.name);
+    if (bytes.size() != f.size)
+      throw CheckpointError("checkpoint file " + path + " is truncated (" + std::to_string(bytes.size()) + " of " +
+                            std::to_string(f.size) + " bytes)");
+    if (crc32_of(bytes.data(), bytes.size()) != f.crc)
+      throw CheckpointError("checkpoint file " + path + " is corrupt (CRC32 mismatch)");
+    (role == "model" ? out.model : out.training) = std::move(bytes);
+  }
+  // A training file of format 2 carries its save's manifest: the manifest
+  // must say what it says, whatever format it claims (one edited to format
+  // 1, which has no checksum, says nothing else unchecked).
+  const std::string training = m.files.at("training").name;
+  if (const std::optional<Carried> c = carried_by(out.training, dir.path_of(training))) {
+    const std::string where = dir.path_of(manifest_name) + " is damaged: ";
+    if (m.format == 1) throw CheckpointError(where + "it says format 1, but its training file " + training + " was written in format 2");
+    Manifest stated = m;
+    stated.files["training"].size = 0;
+    stated.files["training"].crc = 0;
+    std::istringstream here(manifest_text(stated)), there(manifest_text(c->manifest));
+    for (std::string a, b; std::getline(here, a) && std::getline(there, b);)
+      if (a != b) throw CheckpointError(where + "it says '" + a + "' where its training file " + training + " says '" + b + "'");
+  }
+  return out;
+}
+
+// The checkpoint `manifest_name` describes, if it is whole; nullopt if not.
+std::optional<Manifest> intact(const files::Directory& dir, const std::string& manifest_name) {
+  if (!dir.has(manifest_name)) return std::nullopt;
+  try {
+    const CheckpointFiles f = read_files(dir, manifest_name);
+    return parse_manifest(std::string(f.manifest.begin(), f.manifest.end()), dir.path_of(manifest_name));
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+// The training file `training` of generation `generation` as a lone file:
+// whether what it carries says a first save wrote it.
+bool lone_first_save(const files::Directory& dir, const std::string& training, int64_t generation) {
+  try {
+    const std::optional<Carried> c = carried_by(dir.read(training), dir.path_of(training));
+    return c && c->first_save && c->manifest.generation == generation && c->manifest.files.at("training").name == training;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // The checkpoint the pair `model`, `training` holds, verified against the
 // manifest its training file carries; nullopt where it does not verify.
 // `first` says whether a first save wrote it.
@@ -174,18 +210,15 @@ std::optional<CheckpointFiles> verify_pair(const files::Directory& dir, const st
     out.manifest_name = training;
     out.recovered = true;
     out.training = dir.read(training);
-    if (!ends_as_torch_save_ends(out.training)) return std::nullopt;
-    const TensorDict t = deserialize(out.training, training);
-    if (!t.contains(kEmbedded)) return std::nullopt;
-    const torch::Tensor text = t.at(kEmbedded).to(torch::kUInt8).contiguous();
-    Manifest m = parse_manifest(std::string(reinterpret_cast<const char*>(text.data_ptr<uint8_t>()), text.numel()),
-                                dir.path_of(training));
+    std::optional<Carried> c = carried_by(out.training, dir.path_of(training));
+    if (!c) return std::nullopt;
+    Manifest& m = c->manifest;
     if (m.generation != generation || m.files.at("model").name != model || m.files.at("training").name != training)
       return std::nullopt;
     out.model = dir.read(model);
     if (out.model.size() != m.files.at("model").size || crc32_of(out.model.data(), out.model.size()) != m.files.at("model").crc)
       return std::nullopt;
-    first = t.contains(kFirstSave) && t.at(kFirstSave).item<int64_t>() != 0;
+    first = c->first_save;
     m.files["training"] = {training, out.training.size(), crc32_of(out.training.data(), out.training.size())};
     const std::string manifest = manifest_text(m);
     out.manifest.assign(manifest.begin(), manifest.end());
@@ -197,9 +230,10 @@ std::optional<CheckpointFiles> verify_pair(const files::Directory& dir, const st
 
 // What a directory without a manifest holds: its model and training files;
 // the newest pair of them that verifies and is no first save's; and, where
-// there is none, whether every file is a first save's (a pair written where
-// no manifest was, or a lone file of generation 1: a directory with no
-// trace of a save before it).
+// there is none, whether every file is a first save's: a pair written where
+// no manifest was, a lone training file that says it was, or a lone file of
+// generation 1 or of one above a first save's (each save counts one above
+// every file it finds), a directory with no trace of a save before it.
 struct Unnamed {
   std::vector<std::string> files;
   std::optional<CheckpointFiles> newest;
@@ -208,23 +242,36 @@ struct Unnamed {
 
 Unnamed examine(const files::Directory& dir) {
   Unnamed out;
-  std::map<std::pair<int64_t, std::string>, std::map<std::string, std::string>, std::greater<>> pairs;
+  using Key = std::pair<int64_t, std::string>;  // generation, lineage
+  std::map<Key, std::map<std::string, std::string>, std::greater<>> pairs;
   for (const std::string& name : dir.list())
     if (const std::optional<DataName> d = data_name(name)) {
       pairs[{d->generation, d->lineage}][d->role] = name;
       out.files.push_back(name);
     }
   std::sort(out.files.begin(), out.files.end());
-  for (const auto& [key, roles] : pairs) {
+  std::set<Key> first_pairs;
+  for (const auto& [key, roles] : pairs) {  // the newest first
     bool first = false;
     std::optional<CheckpointFiles> pair;
     if (roles.size() == 2) pair = verify_pair(dir, roles.at("model"), roles.at("training"), key.first, first);
     if (pair && !first) {
       out.newest = std::move(pair);
       out.first_saves = false;
-      break;
+      return out;
     }
-    if (!pair && key.first != 1) out.first_saves = false;
+    if (pair) first_pairs.insert(key);
+  }
+  std::set<int64_t> first_generations;
+  for (auto it = pairs.rbegin(); it != pairs.rend(); ++it) {  // the oldest first
+    const auto& [key, roles] = *it;
+    const bool lone_model = roles.size() == 1 && roles.count("model");
+    const bool lone_training = roles.size() == 1 && roles.count("training");
+    if (first_pairs.count(key) || key.first == 1 || (lone_model && first_generations.count(key.first - 1)) ||
+        (lone_training && lone_first_save(dir, roles.at("training"), key.first)))
+      first_generations.insert(key.first);
+    else
+      out.first_saves = false;
   }
   return out;
 }
@@ -243,61 +290,6 @@ void write_file_atomically(const std::string& path, const std::vector<char>& byt
   const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
   files::Directory::open(dir).write_atomically(path.substr(slash == std::string::npos ? 0 : slash + 1), bytes);
 }
-
-TensorDict state_dict(const torch::nn::Module& module, const std::string& prefix) {
-  TensorDict out;
-  add_state(module, prefix, out);
-  return out;
-}
-
-std::vector<char> serialize(const TensorDict& state) { return torch::jit::pickle_save(c10::IValue(state)); }
-
-TensorDict deserialize(const std::vector<char>& bytes, const std::string& what) {
-  c10::IValue value;
-  try {
-    value = torch::jit::pickle_load(bytes);
-  } catch (const std::exception&) {
-    throw CheckpointError(what + " is not a file torch.save wrote");
-  }
-  if (!value.isGenericDict()) throw CheckpointError(what + " does not hold a dict of tensors");
-  TensorDict out;
-  for (const auto& item : value.toGenericDict()) {
-    if (!item.key().isString() || !item.value().isTensor())
-      throw CheckpointError(what + " does not hold a dict of tensors");
-    out.insert(item.key().toStringRef(), item.value().toTensor());
-  }
-  return out;
-}
-
-void load_state_dict(torch::nn::Module& module, const TensorDict& state, const std::string& prefix,
-                     const std::string& what) {
-  const TensorDict own = state_dict(module);
-  std::string problem;
-  for (const auto& item : own) {
-    const std::string name = prefix + item.key();
-    if (!state.contains(name)) {
-      problem = "it has no " + name;
-    } else if (state.at(name).sizes() != item.value().sizes()) {
-      std::ostringstream s;
-      s << name << " is " << state.at(name).sizes() << ", the model's " << item.value().sizes();
-      problem = s.str();
-    }
-    if (!problem.empty()) break;
-  }
-  if (problem.empty() && state.size() != own.size())
-    problem = "it holds " + std::to_string(state.size()) + " tensors, the model " + std::to_string(own.size());
-  if (!problem.empty()) throw CheckpointError(what + " holds a different model: " + problem);
-
-  torch::NoGradGuard no_grad;
-  auto params = module.named_parameters();
-  auto buffers = module.named_buffers();
-  for (const auto& item : own) {
-    torch::Tensor* target = params.find(item.key());
-    if (!target) target = buffers.find(item.key());
-    target->copy_(state.at(prefix + item.key()));
-  }
-}
-
 
 void save_checkpoint(const std::string& path, const Checkpoint& c,
                      const std::function<void(const std::string&)>& after_each_write) {

@@ -123,6 +123,7 @@ Manifest parse_manifest(const std::string& text, const std::string& where) {
   }
 
   Manifest m;
+  m.format = format == kFormat ? 2 : 1;
   CheckpointCounters& c = m.counters;
   std::set<std::string> seen;
   std::istringstream lines(body.substr(first_end + 1));

@@ -49,6 +49,7 @@ struct ManifestFile {
 };
 
 struct Manifest {
+  int format = 2;          // as read: 1 for a manifest of no checksum
   int64_t generation = 0;  // one more than the save's before it
   CheckpointCounters counters;
   std::map<std::string, ManifestFile> files;  // by role: "model", "training"
