@@ -7,7 +7,6 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <set>
@@ -123,8 +122,6 @@ int run_worker(const Options& opts, const Environment& env, const WorkerEnv& lau
     resolve_store_address(worker, opts.master_addr, given(opts, "master_addr"), opts.master_port,
                           given(opts, "master_port"));
     const RunContext run = run_context(opts, env, worker);
-    if (!run.faults.run_at_start.empty() && std::system(run.faults.run_at_start.c_str()) != 0)  // /bin/sh -c
-      throw std::runtime_error("MNIST_DDP_RUN_AT_START failed: " + run.faults.run_at_start);
     const auto [backend, device] = backend_and_device(opts, env, worker);
     configure_worker_process(threads_per_worker(worker.local_world_size, env.omp_num_threads));
     // Every rank compares these with rank 0's while joining, named as flags.

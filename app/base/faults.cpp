@@ -33,7 +33,6 @@ Faults faults_from(const Environment& env) {
   faults.kill_after_step = Faults::parse_steps(env.get("MNIST_DDP_KILL_AFTER_STEP").value_or(""));
   faults.pause_after_step = Faults::parse_steps(env.get("MNIST_DDP_PAUSE_AFTER_STEP").value_or(""));
   faults.hold_workers_until = env.get("MNIST_DDP_HOLD_WORKERS_UNTIL").value_or("");
-  faults.run_at_start = env.get("MNIST_DDP_RUN_AT_START").value_or("");
   faults.without_cgroup = env.get("MNIST_DDP_WITHOUT_CGROUP").value_or("") == "1";
   return faults;
 }

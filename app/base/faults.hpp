@@ -37,10 +37,6 @@ struct Faults {
   // nothing until PATH exists (up to 60 s), so that what a test does to
   // the store comes before any read of it.
   std::string hold_workers_until;
-  // MNIST_DDP_RUN_AT_START=COMMAND: each worker runs `/bin/sh -c COMMAND`
-  // before it joins the job, and waits for it: what a program that starts
-  // helpers (in the background, under setsid, as daemons) leaves running.
-  std::string run_at_start;
   // MNIST_DDP_WITHOUT_CGROUP=1: the launcher makes no cgroup, and its
   // watcher finds the job by its token alone, as where none can be made
   // (containment.hpp).

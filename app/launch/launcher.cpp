@@ -23,7 +23,6 @@
 #include "app/launch/supervisor.hpp"
 #include "app/train/checkpoint.hpp"
 #include "app/train/data.hpp"
-#include "app/train/model.hpp"
 #include "app/train/preemption.hpp"
 #include "app/train/resume.hpp"
 
@@ -407,22 +406,6 @@ class Launcher {
 };
 
 }  // namespace
-
-std::unique_ptr<files::DirectoryLock> preflight(const Options& opts) {
-  check_dataset_files(opts.data_dir, opts.dataset);
-  const bool existed = files::is_directory(opts.path);
-  files::make_run_directory(opts.path);
-  auto lock = std::make_unique<files::DirectoryLock>(opts.path, "mnist_ddp launcher of node " +
-                                                                    std::to_string(opts.node_rank));
-  std::cout << "The folder '" << opts.path << "' " << (existed ? "already exists." : "was created.") << std::endl;
-  if (const std::string dir = resume_dir(opts); !dir.empty()) {
-    const Checkpoint c = load_checkpoint(dir);
-    check_resumable(c, opts, dir);
-    Net net;
-    load_state_dict(*net, c.model, "module.", "checkpoint " + dir);
-  }
-  return lock;
-}
 
 int run_launcher(const Options& opts, const Placement& placement, const Environment& env,
                  const std::vector<std::string>& argv, const sigset_t& original_mask) {
