@@ -39,6 +39,18 @@ int run(const std::vector<std::string>& argv, const mnist_ddp::Environment& env,
   return run_program(command->launch, placement, env, command->program, original_mask);
 }
 
+// "rank 3: " in a worker another launcher started (torchrun, Slurm,
+// mpirun): each of its ranks prints its own line, so each says whose it
+// is. "" where ours started it (it reports one line for all) or none did.
+std::string whose_line(const mnist_ddp::Environment& env) {
+  try {
+    const std::optional<mnist_ddp::WorkerEnv> worker = mnist_ddp::launched_worker(env);
+    if (worker && !worker->ours() && worker->rank >= 0) return "rank " + std::to_string(worker->rank) + ": ";
+  } catch (const std::exception&) {
+  }
+  return "";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -46,8 +58,10 @@ int main(int argc, char** argv) {
   // Before any thread exists (supervisor.hpp): a worker gets its mask back below.
   const sigset_t original_mask = block_launcher_signals();
   umask(umask(0) | S_IWOTH);  // nothing we create is world-writable, whatever the caller's umask
+  std::string who;
   try {
     const Environment env = read_environment();
+    who = whose_line(env);
     quiet_libtorch_logs(env.libtorch_log_level);
     if (argc > 1 && std::string(argv[1]) == "run") return run(std::vector<std::string>(argv, argv + argc), env, original_mask);
     const std::optional<Options> opts = parse_options(argc, argv, env);
@@ -71,15 +85,15 @@ int main(int argc, char** argv) {
     return run_launcher(node, placement, env, args, original_mask);
   } catch (const UsageError& e) {
     say_no_more();
-    std::cerr << "mnist_ddp: error: " << e.what() << std::endl;
+    std::cerr << "mnist_ddp: error: " << who << e.what() << std::endl;
     return 2;
   } catch (const std::exception& e) {
     say_no_more();
-    std::cerr << "mnist_ddp: error: " << error_line(e) << std::endl;
+    std::cerr << "mnist_ddp: error: " << who << error_line(e) << std::endl;
     return 1;
   } catch (...) {
     say_no_more();
-    std::cerr << "mnist_ddp: error: a failure of unknown kind" << std::endl;
+    std::cerr << "mnist_ddp: error: " << who << "a failure of unknown kind" << std::endl;
     return 1;
   }
 }

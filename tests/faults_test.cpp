@@ -117,6 +117,10 @@ TEST_F(Faults, UsageErrorsExitWith2) {
     expect_one_error_line(run(with(base(dir), args), dir), 2, message);
     EXPECT_FALSE(files::exists(dir / "out")) << "nothing is created for a usage error";
   }
+  // Under torchrun each rank prints its own line: each says whose it is.
+  expect_one_error_line(run(with(base(dir), {"--epochs", "0"}), dir, 60s,
+                            {"RANK=1", "WORLD_SIZE=2", "LOCAL_RANK=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=29733"}),
+                        2, "mnist_ddp: error: rank 1: --epochs: must be a positive integer");
 }
 
 TEST_F(Faults, MissingAndMalformedDataAreNamed) {
