@@ -23,6 +23,24 @@ using namespace std::chrono_literals;
 using test::run_ranks;
 using test::Sums;
 
+// A group's only DDP is "the" DDP; once it has several, each is named by
+// its place, the first too (issue 55: never "DDP bucket 0" beside "the
+// second DDP's bucket 0").
+TEST(CollectiveCheck, ADdpAmongSeveralIsNamedByItsPlace) {
+  const auto models = std::make_shared<std::atomic<int>>(1);
+  const DdpNames first(0, models), second(1, models);
+  EXPECT_EQ(first.bucket(3).text, "DDP bucket 3's backward");
+  EXPECT_EQ(first.issuer(kBuffers, "DistributedDataParallel's buffers").text, "DistributedDataParallel's buffers");
+  *models = 2;
+  EXPECT_EQ(first.bucket(3).text, "the first DDP's bucket 3's backward");
+  EXPECT_EQ(second.bucket(3).text, "the second DDP's bucket 3's backward");
+  EXPECT_EQ(first.issuer(kBuffers, "DistributedDataParallel's buffers").text, "the first DistributedDataParallel's buffers");
+  EXPECT_EQ(second.issuer(kReplicaCheck, "the replica check").text, "the second DistributedDataParallel's replica check");
+  EXPECT_EQ(second.issuer(kHookAgreement, "register_comm_hook").text,
+            "the second DistributedDataParallel's register_comm_hook");
+  EXPECT_EQ(DdpNames(11, models).bucket(0).text, "the 12th DDP's bucket 0's backward");
+}
+
 // Ranks that issue different collectives on one lane: each learns at once
 // what every rank was about to issue, and says so in the same line, through
 // Gloo and through shared memory.
@@ -43,7 +61,7 @@ TEST(CollectiveCheck, RanksThatIssueDifferentCollectivesEachSayWhatEveryRankWasD
                 bulk_stream(group)->allreduce_sum(stats, Issuer(kSyncBnForward, 0, -1, "SyncBatchNorm features.1's forward"));
               } else {
                 auto bucket = torch::zeros({1000});
-                bulk_stream(group)->allreduce_sum(bucket, bucket_issuer(0, 0));
+                bulk_stream(group)->allreduce_sum(bucket, DdpNames().bucket(0));
               }
             } catch (const CollectiveMismatch& e) {
               what = e.what();
@@ -278,8 +296,8 @@ TEST(CollectiveCheck, ARankThatEndsItsProgramBeforeACollectiveIsNamedAsUnevenInp
         2,
         [](ProcessGroup& group) {
           auto t = torch::zeros({1000});
-          bulk_stream(group)->allreduce_sum(t, bucket_issuer(0, 0));
-          if (group.rank() == 0) bulk_stream(group)->allreduce_sum(t, bucket_issuer(0, 0));
+          bulk_stream(group)->allreduce_sum(t, DdpNames().bucket(0));
+          if (group.rank() == 0) bulk_stream(group)->allreduce_sum(t, DdpNames().bucket(0));
         },
         summing(sums), /*hold=*/false);
     const std::string where = sums == Sums::gloo ? "gloo" : "shared memory";

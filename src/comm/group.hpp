@@ -3,6 +3,7 @@
 // a program sees process_group.hpp only.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -38,7 +39,7 @@ struct ProcessGroup::State {
   std::shared_ptr<CollectiveStream> stream, quick;
   std::vector<std::weak_ptr<CollectiveStream>> streams;  // every stream made, for ddp.join()
   int streams_made = 0;           // by new_stream(), for their store prefixes
-  int models = 0;                 // DistributedDataParallels built over it
+  std::shared_ptr<std::atomic<int>> models = std::make_shared<std::atomic<int>>(0);  // DistributedDataParallels built over it
   bool shut_down = false;  // ProcessGroup::shutdown()
   int groups_made = 0;     // by new_group(), for their store prefixes
   // A view (view_of()): the group it shows through streams of its own;
@@ -78,7 +79,13 @@ std::shared_ptr<CollectiveStream> new_stream(const ProcessGroup& group);
 // program's own through it) takes a new_stream() of its own, so that two
 // models trained on two threads never need their collectives matched
 // against each other. Collective: every rank builds its DDPs in one order.
-std::pair<ProcessGroup, int> model_group(const ProcessGroup& group);
+// `models` counts the group's DDPs as they are built.
+struct ModelPlace {
+  ProcessGroup group;
+  int model = 0;
+  std::shared_ptr<const std::atomic<int>> models;
+};
+ModelPlace model_group(const ProcessGroup& group);
 // Every stream of the group still alive, the bulk one first.
 std::vector<std::shared_ptr<CollectiveStream>> streams_of(const ProcessGroup& group);
 

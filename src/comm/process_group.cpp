@@ -164,9 +164,10 @@ std::vector<std::shared_ptr<CollectiveStream>> streams_of(const ProcessGroup& gr
   return live;
 }
 
-std::pair<ProcessGroup, int> model_group(const ProcessGroup& group) {
-  const int k = base_of(group).models++;
-  if (k == 0 || group.world_size() == 1) return {group, k};
+ModelPlace model_group(const ProcessGroup& group) {
+  const std::shared_ptr<std::atomic<int>> models = base_of(group).models;
+  const int k = (*models)++;
+  if (k == 0 || group.world_size() == 1) return {group, k, models};
   GroupState& s = GroupAccess::state(group);
   auto view = std::make_shared<GroupState>();
   view->rank = s.rank;
@@ -185,7 +186,7 @@ std::pair<ProcessGroup, int> model_group(const ProcessGroup& group) {
   view->node_of_rank = s.node_of_rank;
   view->base = s.base ? s.base : GroupAccess::share(group);
   view->stream = view->quick = new_stream(group);
-  return {GroupAccess::make(view), k};
+  return {GroupAccess::make(view), k, models};
 }
 
 int node_of(const ProcessGroup& group, int rank) {

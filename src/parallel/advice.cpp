@@ -36,17 +36,19 @@ const char* const kUnevenAdvice =
 
 }  // namespace
 
-Issuer ddp_issuer(IssuerKind kind, int model, const std::string& what) {
-  if (model == 0) return Issuer(kind, model, -1, what);
+Issuer DdpNames::issuer(IssuerKind kind, const std::string& what) const {
+  if (!placed()) return Issuer(kind, model_, -1, what);
+  const std::string the = "the " + ordinal_of(model_) + " ";
   if (what.rfind("the ", 0) == 0)  // "the replica check": "the second DistributedDataParallel's replica check"
-    return Issuer(kind, model, -1, "the " + ordinal_of(model) + " DistributedDataParallel's " + what.substr(4));
-  return Issuer(kind, model, -1, "the " + ordinal_of(model) + " " + what);
+    return Issuer(kind, model_, -1, the + "DistributedDataParallel's " + what.substr(4));
+  if (what.rfind("DistributedDataParallel", 0) == 0) return Issuer(kind, model_, -1, the + what);
+  return Issuer(kind, model_, -1, the + "DistributedDataParallel's " + what);  // "register_comm_hook"
 }
 
-Issuer bucket_issuer(int model, int bucket) {
-  const std::string b = std::to_string(bucket);
-  return Issuer(kBucket, model, bucket,
-                model == 0 ? "DDP bucket " + b + "'s backward" : "the " + ordinal_of(model) + " DDP's bucket " + b + "'s backward");
+Issuer DdpNames::bucket(int index) const {
+  const std::string b = std::to_string(index);
+  return Issuer(kBucket, model_, index,
+                placed() ? "the " + ordinal_of(model_) + " DDP's bucket " + b + "'s backward" : "DDP bucket " + b + "'s backward");
 }
 
 std::string library_advice(const std::vector<Whereabouts>& where) {

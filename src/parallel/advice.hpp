@@ -3,6 +3,8 @@
 // watch and the check print (set_advice()). Not installed.
 #pragma once
 
+#include <atomic>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -29,11 +31,24 @@ enum IssuerKind : int {
   kScalerVote,         // GradScaler's vote on skipping a step
 };
 
-// "DistributedDataParallel's buffers before a forward" for the group's
-// first DDP (`model` 0); "the second DistributedDataParallel's ..." after.
-Issuer ddp_issuer(IssuerKind kind, int model, const std::string& what);
-// "DDP bucket 3's backward"; "the second DDP's bucket 3's backward".
-Issuer bucket_issuer(int model, int bucket);
+// How one DistributedDataParallel names what it issues. While it is its
+// group's only one: "DDP bucket 3's backward", "DistributedDataParallel's
+// buffers before a forward". Once the group has several, each by its
+// place, the first too: "the first DDP's bucket 3's backward", "the second
+// DistributedDataParallel's buffers before a forward".
+class DdpNames {
+ public:
+  DdpNames() = default;  // a group's only DDP
+  // The `model`th DDP of a group that has built `models` (model_group()).
+  DdpNames(int model, std::shared_ptr<const std::atomic<int>> models) : model_(model), models_(std::move(models)) {}
+  Issuer issuer(IssuerKind kind, const std::string& what) const;
+  Issuer bucket(int index) const;
+
+ private:
+  bool placed() const { return model_ > 0 || (models_ && models_->load() > 1); }
+  int model_ = 0;
+  std::shared_ptr<const std::atomic<int>> models_;
+};
 
 // Registers the library's advice table with the comm layer (once; every
 // constructor of a DDP, SyncBatchNorm and GradScaler calls it).

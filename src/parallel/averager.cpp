@@ -25,13 +25,13 @@ bool determined(const hooks::CommHook& hook) {
 
 }  // namespace
 
-Averager::Averager(std::shared_ptr<CollectiveStream> stream, int model)
-    : stream_(std::move(stream)), model_(model), hook_(hooks::allreduce()) {}
+Averager::Averager(std::shared_ptr<CollectiveStream> stream, DdpNames names)
+    : stream_(std::move(stream)), names_(std::move(names)), hook_(hooks::allreduce()) {}
 
 CollectiveStream::Ticket Averager::post(const hooks::GradBucket& bucket) {
   const auto ticket = stream_->post(
       [self = shared_from_this(), bucket, round = round_.load()](Channel& channel) { self->communicate(bucket, round, channel); },
-      bucket_issuer(model_, static_cast<int>(bucket.index())));
+      names_.bucket(static_cast<int>(bucket.index())));
   std::lock_guard<std::mutex> lock(mutex_);
   posted_.push_back(ticket);
   return ticket;
@@ -44,7 +44,7 @@ CollectiveStream::Ticket Averager::post_count(const torch::Tensor& mine, std::sh
         channel.allreduce_sum(sum)->waitAndThrow();
         *into = sum.cpu();
       },
-      ddp_issuer(kUnusedCount, model_, "DistributedDataParallel's count of the ranks that used each parameter"));
+      names_.issuer(kUnusedCount, "DistributedDataParallel's count of the ranks that used each parameter"));
   std::lock_guard<std::mutex> lock(mutex_);
   posted_.push_back(ticket);
   return ticket;
@@ -54,7 +54,7 @@ CollectiveStream::Ticket Averager::post_count(const torch::Tensor& mine, std::sh
 // compared, so that a difference is named before their collectives differ.
 void Averager::agree_on_hook(Channel& channel) {
   const Issuer issuer = channel.issuer();
-  channel.set_issuer(ddp_issuer(kHookAgreement, model_, "register_comm_hook"));
+  channel.set_issuer(names_.issuer(kHookAgreement, "register_comm_hook"));
   const std::string difference = channel.disagreement(
       {{"hook", hook_->describe()}}, "register_comm_hook",
       "every rank must register the same communication hook, with the same options");
@@ -103,7 +103,7 @@ std::exception_ptr Averager::first_error(std::exception_ptr error, const hooks::
   } catch (const Error&) {
     return error;
   } catch (const std::exception& e) {
-    return std::make_exception_ptr(CollectiveFailed(bucket_issuer(model_, static_cast<int>(bucket.index())).text +
+    return std::make_exception_ptr(CollectiveFailed(names_.bucket(static_cast<int>(bucket.index())).text +
                                                     ": a collective failed: " + error_line(e)));
   }
 }

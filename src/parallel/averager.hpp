@@ -21,8 +21,8 @@ namespace mnist_ddp {
 
 class Averager : public std::enable_shared_from_this<Averager> {
  public:
-  // `model`: which DDP of its group (for the issuers' names).
-  Averager(std::shared_ptr<CollectiveStream> stream, int model);
+  // `names`: how its DDP names its collectives.
+  Averager(std::shared_ptr<CollectiveStream> stream, DdpNames names);
 
   // The hook, hooks::allreduce() until one is registered.
   void set_hook(hooks::CommHookPtr hook) { hook_ = std::move(hook); }
@@ -58,7 +58,7 @@ class Averager : public std::enable_shared_from_this<Averager> {
   std::exception_ptr first_error(std::exception_ptr error, const hooks::GradBucket& bucket);
 
   std::shared_ptr<CollectiveStream> stream_;
-  const int model_;
+  const DdpNames names_;
   hooks::CommHookPtr hook_;
   std::atomic<bool> hook_agreed_{false};  // written on the stream's thread
   hooks::WireStats wire_;     // written by the stream's tasks

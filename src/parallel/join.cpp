@@ -90,7 +90,7 @@ class JoinRun {
   void end_bulk_serving();
 
  private:
-  Issuer as(IssuerKind kind, const std::string& what) const { return ddp_issuer(kind, ddp_.model(), what); }
+  Issuer as(IssuerKind kind, const std::string& what) const { return ddp_.issuer(kind, what); }
   bool two_lanes() const { return ddp_.bulk() != ddp_.quick(); }
   [[noreturn]] void stop_everyone(const torch::Tensor& with_data);
   int last_to_join();

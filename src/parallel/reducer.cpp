@@ -144,10 +144,12 @@ void Reducer::init() {
   collect_parameters();
   claim_module();
   const ProcessGroup given = group_;
-  std::tie(group_, model_) = model_group(given);
+  const ModelPlace place = model_group(given);
+  group_ = place.group;
+  naming_ = DdpNames(place.model, place.models);
   stream_ = bulk_stream(group_);
   quick_ = quick_stream(group_);
-  averager_ = std::make_shared<Averager>(stream_, model_);
+  averager_ = std::make_shared<Averager>(stream_, naming_);
   compare_and_broadcast(given);
   // Buckets in reverse registration order: roughly the order in which
   // backward produces gradients.
@@ -262,7 +264,7 @@ void Reducer::register_comm_hook(hooks::CommHookPtr hook) {
   hook_layout_known_ = false;
 }
 
-Issuer Reducer::issuer(IssuerKind kind, const std::string& what) const { return ddp_issuer(kind, model_, what); }
+Issuer Reducer::issuer(IssuerKind kind, const std::string& what) const { return naming_.issuer(kind, what); }
 
 // ---- forward and backward ----
 

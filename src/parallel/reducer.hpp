@@ -104,7 +104,7 @@ class Reducer : public std::enable_shared_from_this<Reducer>, private Iteration:
   std::vector<std::pair<std::string, std::string>> description() const;
 
   // For the join layer (join.cpp).
-  int model() const { return model_; }
+  Issuer issuer(IssuerKind kind, const std::string& what) const;
   const std::shared_ptr<CollectiveStream>& bulk() const { return stream_; }
   const std::shared_ptr<CollectiveStream>& quick() const { return quick_; }
   // The parameters and buffers every rank must end with alike.
@@ -154,7 +154,6 @@ class Reducer : public std::enable_shared_from_this<Reducer>, private Iteration:
   // At a forward: an averaging left incomplete by the last backward calls
   // (parameters that got no gradient) is completed, then named.
   void finish_open_iteration();
-  Issuer issuer(IssuerKind kind, const std::string& what) const;
   // A backward through model->forward left gradients no rank averaged: an
   // error once the parameters have changed since (an optimizer stepped on
   // them); forgotten where they have not.
@@ -165,7 +164,7 @@ class Reducer : public std::enable_shared_from_this<Reducer>, private Iteration:
   DdpOptions options_;
   std::shared_ptr<CollectiveStream> stream_;  // the buckets'
   std::shared_ptr<CollectiveStream> quick_;   // what computation waits on: buffers, the start, the replica check
-  int model_ = 0;  // the group's first DDP, or a later one (model_group(): streams of its own)
+  DdpNames naming_;  // which DDP of its group (model_group(): a later one has streams of its own)
   bool registered_ = false;  // as the one DDP of its module
   bool hook_registered_ = false;
   bool hook_layout_known_ = false;  // follow_hook_layout() has compared the hook's buckets with ours
