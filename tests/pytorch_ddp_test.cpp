@@ -9,6 +9,8 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <thread>
@@ -272,12 +274,17 @@ TEST(PyTorchDdp, NewGroupWithOtherRanksOnSomeRanksIsRefusedOnEvery) {
                  "same ranks, in the same order");
 }
 
-// The program's own collectives as Works: each completes with its result,
-// its future holding it, while the program goes on.
+// The program's own collectives as Works: each call returns before its
+// peer has made its own (rank 1 makes its calls only once rank 0's have
+// returned), and each completes with its result, its future holding it.
 TEST(PyTorchDdp, AsyncCollectivesCompleteWithTheirResults) {
   std::vector<std::vector<double>> got(2);
+  std::atomic<bool> issued{false};
+  bool done_early = true;
   run_ranks(2, [&](ProcessGroup& group) {
     const double me = group.rank() + 1;
+    if (group.rank() == 1)
+      for (int i = 0; i < 1000 && !issued; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     auto a = torch::full({3}, me, torch::kFloat64);
     auto b = torch::full({2}, me, torch::kFloat64);
     auto out = torch::zeros({2}, torch::kFloat64);
@@ -287,10 +294,16 @@ TEST(PyTorchDdp, AsyncCollectivesCompleteWithTheirResults) {
     Work gathered = group.allgather_async(torch::full({1}, me, torch::kFloat64));
     Work reduced = group.reduce_scatter_async(out, scattered);
     Work met = group.barrier_async();
+    if (group.rank() == 0) {
+      done_early = sum.is_completed() || met.is_completed();
+      issued = true;
+    }
     met.wait();
     for (const Work* w : {&sum, &cast, &gathered, &reduced}) w->wait();
-    EXPECT_TRUE(sum.is_completed());
+    EXPECT_TRUE(sum.is_completed() && cast.is_completed() && reduced.is_completed() && met.is_completed());
     EXPECT_TRUE(torch::equal(sum.get_future()->value().toTensor(), a));
+    EXPECT_TRUE(torch::equal(cast.get_future()->value().toTensor(), b));
+    EXPECT_TRUE(torch::equal(reduced.get_future()->value().toTensor(), out));
     auto& mine = got[group.rank()];
     mine = {a[0].item<double>(), b[0].item<double>()};
     const auto all = gathered.get_future()->value().toTensor();
@@ -299,6 +312,7 @@ TEST(PyTorchDdp, AsyncCollectivesCompleteWithTheirResults) {
     mine.push_back(out[0].item<double>());
     mine.push_back(out[1].item<double>());
   });
+  EXPECT_FALSE(done_early) << "rank 0's calls waited for rank 1";
   EXPECT_EQ(got[0], (std::vector<double>{3, 2, 1, 2, 0, 3}));   // rank 0's chunk: 0*1 + 0*2, 1*1 + 1*2
   EXPECT_EQ(got[1], (std::vector<double>{3, 2, 1, 2, 6, 9}));   // rank 1's: 2*1 + 2*2, 3*1 + 3*2
 }
@@ -335,7 +349,9 @@ TEST(PyTorchDdp, AProgramsOwnCollectivesRefuseWhatCannotWorkAtTheCall) {
 
 // static_graph: two backward calls a step, a parameter never used; the
 // first step learns the graph, the buckets are rebuilt once in the order
-// its gradients came (rank 0's), and every step averages as one process.
+// its gradients came on rank 0 (rank 1's came the other way, as do every
+// rank's later steps', which change nothing), and every step averages as
+// one process.
 TEST(PyTorchDdp, StaticGraphAveragesSeveralBackwardsAndRebuildsTheBucketsOnce) {
   struct ThreeImpl : TwoOutputsImpl {
     ThreeImpl() { spare = register_module("spare", torch::nn::Linear(4, 3)); }
@@ -353,8 +369,13 @@ TEST(PyTorchDdp, StaticGraphAveragesSeveralBackwardsAndRebuildsTheBucketsOnce) {
     for (int step = 0; step < 3; ++step) {
       sgd.zero_grad();
       auto [a, b] = ddp.forward(test::shard(x[step], group.rank(), 2));
-      b.pow(2).mean().backward();  // the second output's gradients first
-      a.pow(2).mean().backward();
+      if (step == 0 && group.rank() == 0) {
+        b.pow(2).mean().backward();  // the second output's gradients first
+        a.pow(2).mean().backward();
+      } else {
+        a.pow(2).mean().backward();
+        b.pow(2).mean().backward();
+      }
       layouts[group.rank()].push_back(ddp.describe_buckets().at(0));
       got[group.rank()][step] = snapshot(*model);
       sgd.step();
@@ -378,7 +399,7 @@ TEST(PyTorchDdp, StaticGraphAveragesSeveralBackwardsAndRebuildsTheBucketsOnce) {
                              "second.weight first.bias first.weight");
     EXPECT_NE(layouts[r][1], layouts[r][0]) << "not rebuilt";
     EXPECT_EQ(layouts[r][1].find("bucket 0: 6 parameters, 45 elements (0.00 MB): second."), 0u)
-        << layouts[r][1] << ": not in the order the gradients came";
+        << layouts[r][1] << ": not in the order rank 0's gradients came";
     EXPECT_EQ(layouts[r][2], layouts[r][1]) << "rebuilt more than once";
   }
 }
@@ -388,20 +409,27 @@ TEST(PyTorchDdp, ParamsToIgnoreAreNeitherBroadcastNorAveraged) {
     PairImpl() {
       shared = register_module("shared", torch::nn::Linear(4, 2));
       own = register_module("own", torch::nn::Linear(4, 2));
+      own_count = register_buffer("own_count", torch::zeros({1}));
+      shared_count = register_buffer("shared_count", torch::zeros({1}));
     }
     torch::Tensor forward(const torch::Tensor& x) { return shared(x) + own(x); }
     torch::nn::Linear shared{nullptr}, own{nullptr};
+    torch::Tensor own_count, shared_count;
   };
   auto models = test::replicas<PairImpl>(50, 2);
   const auto before = models[1]->own->weight.detach().clone();
-  std::vector<torch::Tensor> own_grad(2), shared_grad(2), own_value(2), shared_value(2);
+  std::vector<torch::Tensor> own_grad(2), shared_grad(2), own_value(2), shared_value(2), counts(2);
   std::string refused;
   run_ranks(2, [&](ProcessGroup& group) {
     auto model = models[group.rank()];
-    DistributedDataParallel ddp(model, group, DdpOptions().params_to_ignore({"own.weight", "own.bias"}));
+    model->own_count.fill_(group.rank() + 1);
+    model->shared_count.fill_(group.rank() + 1);
+    DistributedDataParallel ddp(model, group,
+                                DdpOptions().params_to_ignore({"own.weight", "own.bias", "own_count"}));
     own_value[group.rank()] = model->own->weight.detach().clone();
     shared_value[group.rank()] = model->shared->weight.detach().clone();
     ddp.forward(torch::full({2, 4}, static_cast<float>(group.rank() + 1))).sum().backward();
+    counts[group.rank()] = torch::cat({model->own_count, model->shared_count});  // after the forward's broadcast too
     own_grad[group.rank()] = model->own->weight.grad().clone();
     shared_grad[group.rank()] = model->shared->weight.grad().clone();
     if (group.rank() == 0) {
@@ -413,6 +441,8 @@ TEST(PyTorchDdp, ParamsToIgnoreAreNeitherBroadcastNorAveraged) {
     }
   });
   EXPECT_TRUE(torch::equal(own_value[1], before)) << "an ignored parameter was broadcast";
+  EXPECT_TRUE(torch::equal(counts[0], torch::tensor({1.0f, 1.0f}))) << counts[0];
+  EXPECT_TRUE(torch::equal(counts[1], torch::tensor({2.0f, 1.0f}))) << "an ignored buffer was broadcast: " << counts[1];
   EXPECT_FALSE(torch::equal(own_value[0], own_value[1]));
   EXPECT_TRUE(torch::equal(shared_value[0], shared_value[1]));
   EXPECT_TRUE(torch::equal(own_grad[0], torch::full({2, 4}, 2.0f))) << "an ignored gradient was averaged";
@@ -490,13 +520,25 @@ TEST(PyTorchDdp, JoinDividesByTheActiveRanksOrThrowsEverywhereAsItsOptionsSay) {
   EXPECT_EQ(steps, (std::vector<int>{1, 1, 1})) << "the others stop at their next step";
   EXPECT_EQ(gathered, (std::vector<double>{3, 3, 3})) << "the group is usable after the early termination";
 
+  // enable(false): join() is the loop alone, no vote in any step, so a
+  // rank that calls the loop without join() trains alongside.
   std::vector<int> ran(2);
+  std::vector<torch::Tensor> trained(2);
   run_ranks(2, [&](ProcessGroup& group) {
     auto model = std::make_shared<torch::nn::LinearImpl>(4, 2);
     DistributedDataParallel ddp(model, group);
-    ddp.join([&] { ++ran[group.rank()]; }, JoinOptions().enable(false));
+    auto loop = [&] {
+      for (int step = 0; step < 2; ++step) ddp.forward(torch::ones({2, 4})).sum().backward();
+      ++ran[group.rank()];
+    };
+    if (group.rank() == 0)
+      ddp.join(loop, JoinOptions().enable(false));
+    else
+      loop();
+    trained[group.rank()] = model->weight.grad().clone();
   });
   EXPECT_EQ(ran, (std::vector<int>{1, 1}));
+  EXPECT_TRUE(torch::equal(trained[0], trained[1]));
 }
 
 // The installed headers offer no way in to the library's own state: no
