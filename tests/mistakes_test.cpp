@@ -234,6 +234,15 @@ void run_case(const std::string& name) {
     if (rank == 0) group.allreduce_sum_async(t);
     else group.broadcast_async(t, 0);
     say(group, "returned without waiting");
+  } else if (name == "silent-end") {  // 3 ranks: rank 1 ends without a word at step 2, rank 0 comes to it last
+    Small model;
+    DistributedDataParallel<Small> ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    for (int k = 0; k < 3; ++k) {
+      if (k == 2 && rank == 1) _exit(0);  // as a killed rank: no word in the store, its connections closed
+      if (k == 2 && rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(600));
+      test::step(ddp, opt, rank, k);
+    }
   } else if (name == "timeout") {  // the launcher's --timeout, unless the options name one
     say(group, "timeout " + std::to_string(group.timeout().count()) + " ms");
   } else {
@@ -258,9 +267,9 @@ TEST(MistakeProgram, Run) {
 
 using test::Ran;
 
-// The case under `mnist_ddp run --nproc 2 --timeout T`.
-Ran run_mistake(const std::string& name, int timeout_s = 10) {
-  return test::run_program("MistakeProgram.Run", {"MNIST_DDP_TEST_MISTAKE=" + name}, timeout_s, 60s);
+// The case under `mnist_ddp run --nproc N --timeout T`.
+Ran run_mistake(const std::string& name, int timeout_s = 10, int nproc = 2) {
+  return test::run_program("MistakeProgram.Run", {"MNIST_DDP_TEST_MISTAKE=" + name}, timeout_s, 60s, nullptr, nproc);
 }
 
 size_t count(const std::string& text, const std::string& piece) {
@@ -427,6 +436,21 @@ TEST(Mistakes, ABackwardThroughTheModelsOwnForwardIsNamed) {
   const Ran ran = run_mistake("bypass");
   expect_caught(ran, "backward through model->forward: gradients were not averaged; call ddp.forward");
   EXPECT_EQ(ran.output.find("a bug in mnist_ddp"), std::string::npos) << ran.output;
+}
+
+// A rank that ends without a word (killed, its machine lost): a rank that
+// lost it too is no cause, and the last rank to come names the silent one.
+TEST(Mistakes, ARankThatLostAPeerTooIsNotNamedAsTheCause) {
+  const Ran ran = run_mistake("silent-end", 10, 3);
+  const auto lines = caught(ran.output);
+  ASSERT_EQ(lines.size(), 2u) << ran.output;
+  const auto last = std::find_if(lines.begin(), lines.end(), [](const std::string& line) {
+    return line.rfind("rank 0 lost a peer in ", 0) == 0;
+  });
+  ASSERT_NE(last, lines.end()) << ran.output;
+  EXPECT_NE(last->find("; rank 2 lost one too; rank 1 said nothing (killed, or its machine lost)"), std::string::npos)
+      << ran.output;
+  EXPECT_EQ(ran.output.find("rank 2 ended with an error"), std::string::npos) << ran.output;
 }
 
 TEST(Mistakes, InitProcessGroupTwiceReturnsTheGroupOrRefusesOtherOptions) {

@@ -274,6 +274,41 @@ TEST(PyTorchDdp, NewGroupWithOtherRanksOnSomeRanksIsRefusedOnEvery) {
                  "same ranks, in the same order");
 }
 
+// A new_group()'s verdicts name the group and its ranks as the job numbers
+// them: a mismatch inside it, and a member that let go of it (its handle
+// dropped, while it waits in the whole group's barrier, its program alive).
+TEST(PyTorchDdp, ASubgroupsVerdictsNameItAndTheJobsRanks) {
+  std::vector<std::string> mismatch(3), let_go(3);
+  run_ranks(3, [&](ProcessGroup& group) {
+    const int me = group.rank();
+    auto t = torch::ones({3});
+    if (auto sub = new_group(group, {1, 2})) {
+      try {
+        if (me == 1) sub->allreduce_sum(t); else sub->broadcast(t, 0);
+      } catch (const Error& e) {
+        mismatch[me] = e.what();
+      }
+    }
+    if (auto sub = new_group(group, {1, 2}); sub && me == 1) {
+      try {
+        sub->allreduce_sum(t);
+      } catch (const Error& e) {
+        let_go[me] = e.what();
+      }
+    }
+    group.barrier();
+  });
+  for (int r : {1, 2})
+    EXPECT_EQ(mismatch[r], "in new_group 1 (ranks 1, 2): rank 1 is in the program's own allreduce_sum (allreduce, 3 "
+                           "float32); rank 2 is in the program's own broadcast (broadcast, 3 float32, from rank 1): "
+                           "every rank must issue the same collectives in the same order (docs/library.md, \"What "
+                           "is checked\")")
+        << r;
+  EXPECT_EQ(let_go[1], "in new_group 2 (ranks 1, 2): rank 1 is in the program's own allreduce_sum (allreduce, 3 "
+                       "float32); rank 2 let go of the group (its program ended, or its last handle to it went): every "
+                       "rank must issue the same collectives in the same order (docs/library.md, \"What is checked\")");
+}
+
 // The program's own collectives as Works: each call returns before its
 // peer has made its own (rank 1 makes its calls only once rank 0's have
 // returned), and each completes with its result, its future holding it.

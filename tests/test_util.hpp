@@ -538,11 +538,12 @@ struct Ran {
 // end within `limit`. Checks that no process of it outlived the launcher.
 inline Ran run_program(const std::string& program, const std::vector<std::string>& env, int timeout_s,
                        std::chrono::seconds limit = std::chrono::seconds(120),
-                       const std::function<void(Process&, const std::string& output_file)>& meanwhile = nullptr) {
+                       const std::function<void(Process&, const std::string& output_file)>& meanwhile = nullptr,
+                       int nproc = 2) {
   TempDir dir;
   const std::string self = read_symlink("/proc/self/exe");
   const auto start = std::chrono::steady_clock::now();
-  Process p({"run", "--nproc", "2", "--timeout", std::to_string(timeout_s), "--", self, "--gtest_filter=" + program,
+  Process p({"run", "--nproc", std::to_string(nproc), "--timeout", std::to_string(timeout_s), "--", self, "--gtest_filter=" + program,
              dir.path()},
             dir / "out.txt", env);
   if (meanwhile) meanwhile(p, dir / "out.txt");

@@ -150,7 +150,7 @@ Channel::Described Channel::describe(Op op, const torch::Tensor& tensor, int roo
   if (tensor.defined())
     d.what += ", " + std::to_string(tensor.numel()) + (tensor.is_sparse() ? " sparse " : " ") +
               dtype_name(tensor.scalar_type());
-  if (op == Op::broadcast) d.what += ", from rank " + std::to_string(root == kAuthority ? 0 : root);
+  if (op == Op::broadcast) d.what += ", from " + names().rank(root == kAuthority ? 0 : root);
   d.what += ")";
   uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a, over the words and the tag
   for (const unsigned char c : d.what + "#" + std::to_string(d.tag)) h = (h ^ c) * 0x100000001b3ull;
@@ -220,14 +220,15 @@ Channel::Outcome Channel::verify(const torch::Tensor& sums, const Described* min
 // A broadcast from `root`, a rank that has joined (ddp.join()): it has
 // nothing to send, and every rank says so, from what it knows.
 void Channel::refuse_broadcast(const double* s, const Described* mine, int root) {
-  const std::string tail = "rank " + std::to_string(root) +
+  const std::string tail = names().rank(root) +
                            " has joined (ddp.join(): its data ran out) and has nothing to send; broadcast from a rank "
                            "that still has data, or after join() returns on every rank";
-  if (mine) throw RefusedEverywhere(mine->what + ": " + tail);
+  if (mine) throw RefusedEverywhere(names().line(mine->what + ": " + tail));
   const double n = s[kIssuers];
-  throw RefusedEverywhere("ddp.join(): the other ranks broadcast " + std::to_string(std::llround(s[kNumel] / n)) + " " +
-                          dtype_name(static_cast<c10::ScalarType>(std::lround(s[kDtype] / n))) + " from rank " +
-                          std::to_string(root) + ", and " + tail);
+  throw RefusedEverywhere(names().line("ddp.join(): the other ranks broadcast " +
+                                      std::to_string(std::llround(s[kNumel] / n)) + " " +
+                                      dtype_name(static_cast<c10::ScalarType>(std::lround(s[kDtype] / n))) +
+                                      " from " + names().rank(root) + ", and " + tail));
 }
 
 void Channel::mismatch(uint64_t position, const std::string& mine) {
@@ -405,8 +406,8 @@ std::string item_difference(const Items& zero, const Items& theirs, size_t i, co
 }
 
 // How rank `r`'s items first differ from rank `first`'s ("" where they do not).
-std::string first_difference(const Items& zero, const Items& theirs, int r, int first) {
-  const std::string who = "rank " + std::to_string(r), whom = "rank " + std::to_string(first);
+std::string first_difference(const Items& zero, const Items& theirs, int r, int first, const RankNames& names) {
+  const std::string who = names.rank(r), whom = names.rank(first);
   for (size_t i = 0; i < std::max(zero.size(), theirs.size()); ++i)
     if (!(i < zero.size() && i < theirs.size() && zero[i] == theirs[i]))
       return item_difference(zero, theirs, i, who, whom);
@@ -414,6 +415,11 @@ std::string first_difference(const Items& zero, const Items& theirs, int r, int 
 }
 
 }  // namespace
+
+const RankNames& Channel::names() const {
+  static const RankNames plain;
+  return link_.watch() ? link_.watch()->names() : plain;
+}
 
 std::string Channel::disagreement(const std::vector<std::pair<std::string, std::string>>& items,
                                   const std::string& subject, const std::string& advice) {
@@ -441,8 +447,8 @@ std::string Channel::disagreement(const std::vector<std::pair<std::string, std::
   const auto reference = items_of(text_of_rank(first));
   for (int r = first + 1; r < world_size(); ++r) {
     if (lengths[r].item<int64_t>() == 0) continue;
-    const std::string difference = first_difference(reference, items_of(text_of_rank(r)), r, first);
-    if (!difference.empty()) return subject + ": " + difference + ": " + advice;
+    const std::string difference = first_difference(reference, items_of(text_of_rank(r)), r, first, names());
+    if (!difference.empty()) return names().line(subject + ": " + difference + ": " + advice);
   }
   return "";
 }

@@ -198,6 +198,8 @@ class Channel {
   torch::Device staging() const { return link_.staging(); }
   bool shares_memory() const { return link_.shares_memory(); }
   Link& link() { return link_; }
+  // How its lines name the ranks (the watch's; plain numbers without one).
+  const RankNames& names() const;
 
   // Sums `tensor` over ranks in place; the future completes with it. A
   // float sum of up to kInline elements on the CPU travels in its check.

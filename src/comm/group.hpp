@@ -103,10 +103,11 @@ std::optional<std::vector<int>> silent_ranks(const ProcessGroup& group);
 GroupState& base_of(const ProcessGroup& group);
 
 // Forms a group over `store` (whose keys it owns) from its settled ranks:
-// its heartbeat, its streams; `check`: nullopt for the backend's default.
+// its heartbeat, its streams; `check`: nullopt for the backend's default;
+// `names`: how its lines name its ranks (a new_group()'s, by the job's).
 std::shared_ptr<GroupState> form(StorePtr store, int rank, int world_size, const Backend& backend,
                                  torch::Device device, std::chrono::milliseconds timeout, bool shared_memory,
-                                 const std::string& gloo_address, std::optional<Check> check);
+                                 const std::string& gloo_address, std::optional<Check> check, RankNames names = {});
 
 // Joins the job for a worker whose launcher's environment is already read
 // (the mnist_ddp application resolves it against its own flags first).

@@ -17,11 +17,6 @@ std::vector<std::string> split_on(const std::string& s, char by) {
   return parts;
 }
 
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string who;
-  for (int r : ranks) who += (who.empty() ? "" : ", ") + std::to_string(r);
-  return (ranks.size() > 1 ? "ranks " : "rank ") + who;
-}
 
 std::string lane_text(LaneState& lane) {
   std::lock_guard<std::mutex> lock(lane.mutex);
@@ -79,12 +74,30 @@ Whereabouts whereabouts_of(const RankView& view) {
 
 using namespace watching;
 
+std::string RankNames::rank(int r) const {
+  return "rank " + std::to_string(global.empty() ? r : global.at(static_cast<size_t>(r)));
+}
+
+std::string RankNames::list(const std::vector<int>& ranks) const {
+  std::string who;
+  for (int r : ranks) who += (who.empty() ? "" : ", ") + rank(r).substr(5);
+  return (ranks.size() > 1 ? "ranks " : "rank ") + who;
+}
+
+std::string RankNames::line(const std::string& text) const { return group.empty() ? text : "in " + group + ": " + text; }
+
+std::string RankNames::ended(size_t ranks) const {
+  if (group.empty()) return ranks > 1 ? "ended their programs" : "ended its program";
+  return ranks > 1 ? "let go of the group (their programs ended, or their last handles to it went)"
+                   : "let go of the group (its program ended, or its last handle to it went)";
+}
+
 RankView rank_view(const std::string& heartbeat) {
   RankView view;
   const auto parts = split_on(heartbeat, kBeatEnd);
   if (parts.size() != 3) return view;
   try {
-    view.count = parts[0] == "clean" || parts[0] == "error" ? 0 : std::stoll(parts[0]);
+    view.count = parts[0] == "clean" || parts[0] == "error" || parts[0] == "echo" ? 0 : std::stoll(parts[0]);
     const auto threads = split_on(parts[1], kField);
     if (threads.size() == 2) {
       view.posters = std::stoi(threads[0]);

@@ -163,9 +163,14 @@ std::optional<ProcessGroup> new_group(const ProcessGroup& group, std::vector<int
   if (!difference.empty()) throw UsageError(difference);
   const auto me = std::find(ranks.begin(), ranks.end(), base.rank);
   if (me == ranks.end()) return std::nullopt;
+  // Its lines name its ranks as the job does, and name it.
+  RankNames names;
+  const RankNames* job = base.watch ? &base.watch->names() : nullptr;
+  for (int r : ranks) names.global.push_back(job && !job->global.empty() ? job->global.at(static_cast<size_t>(r)) : r);
+  names.group = "new_group " + std::to_string(n) + " (" + RankNames().list(names.global) + ")";
   auto state = form(c10::make_intrusive<c10d::PrefixStore>("group/" + std::to_string(n), base.store),
                     static_cast<int>(me - ranks.begin()), static_cast<int>(ranks.size()), backend_named(base.backend),
-                    base.device, base.timeout, base.shared_memory, base.gloo_address, base.check);
+                    base.device, base.timeout, base.shared_memory, base.gloo_address, base.check, std::move(names));
   state->restart = base.restart;
   state->launcher = base.launcher;
   // Its local ranks: the members on this rank's node, in rank order.

@@ -225,7 +225,7 @@ std::optional<std::vector<int>> silent_ranks(const ProcessGroup& group) {
 
 std::shared_ptr<GroupState> form(StorePtr store, int rank, int world_size, const Backend& backend,
                                  torch::Device device, std::chrono::milliseconds timeout, bool shared_memory,
-                                 const std::string& gloo_address, std::optional<Check> check) {
+                                 const std::string& gloo_address, std::optional<Check> check, RankNames names) {
   auto s = std::make_shared<GroupState>();
   s->check = check ? *check : backend.on_device ? Check::alongside : Check::before;
   s->rank = rank;
@@ -236,7 +236,7 @@ std::shared_ptr<GroupState> form(StorePtr store, int rank, int world_size, const
   s->gloo_address = gloo_address;
   s->store = std::move(store);
   s->shared_memory = shared_memory && !backend.on_device && device.is_cpu();
-  if (world_size > 1) s->watch = std::make_shared<CollectiveWatch>(s->store, rank, world_size, timeout);
+  if (world_size > 1) s->watch = std::make_shared<CollectiveWatch>(s->store, rank, world_size, timeout, std::move(names));
   s->stream = make_stream(*s, "main", "bulk");
   s->quick = !backend.lanes || world_size == 1 ? s->stream : make_stream(*s, "quick", "quick", /*blocking=*/true);
   return s;

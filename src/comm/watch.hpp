@@ -91,11 +91,25 @@ struct RankView {
 };
 RankView rank_view(const std::string& heartbeat);
 
+// How a group's lines name its ranks: by their ranks in the whole job,
+// and, for a group new_group() made, with the group's name before each
+// line.
+struct RankNames {
+  std::vector<int> global;  // each rank's rank in the whole job; empty: the job's own group
+  std::string group;        // "new_group 1 (ranks 1, 2)"; empty: the job's own group
+  std::string rank(int r) const;                          // "rank 2"
+  std::string list(const std::vector<int>& ranks) const;  // "rank 2", "ranks 1, 2"
+  std::string line(const std::string& text) const;       // "in new_group 1 (ranks 1, 2): <text>"
+  // How a rank that let go of the group says so: its program ended, or,
+  // for a new_group(), maybe only its handle.
+  std::string ended(size_t ranks) const;
+};
+
 class CollectiveWatch {
  public:
   // Starts the watchdog: "heartbeat/<rank>" in `store`, once a second, and
   // the verdicts. A write the store refuses is tried again a second later.
-  CollectiveWatch(StorePtr store, int rank, int world_size, std::chrono::milliseconds timeout);
+  CollectiveWatch(StorePtr store, int rank, int world_size, std::chrono::milliseconds timeout, RankNames names = {});
   // Stops the watchdog, waiting at most a second for it (it may be stuck on
   // a stalled store: then it is left to the process's end).
   ~CollectiveWatch();
@@ -162,15 +176,17 @@ class CollectiveWatch {
   std::string mismatch_line(const std::string& lane, uint64_t position, const Issuer& issuer, const std::string& mine);
   // A collective of `lane` failed because a peer went away: the error in
   // our words (a rank that ended its program before this collective's check
-  // is uneven inputs), else `error` itself.
+  // is uneven inputs), else `error` itself. This rank's end is then an
+  // echo of another's, and says so: no rank names it as the cause.
   std::exception_ptr explain_loss(LaneState& lane, std::exception_ptr error);
   // This rank is done with its group (`cleanly`: not while an error
-  // unwinds): it says so, with where its lanes stand, so a rank waiting for
-  // it learns it will not come.
+  // unwinds): it says so ("clean", "error", or "echo" after a loss), with
+  // where its lanes stand, so a rank waiting for it learns it will not come.
   void ended(bool cleanly);
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
+  const RankNames& names() const;
   // How long a wait lasts before it is reported: a third of the timeout, at
   // most 20 s (docs/library.md, "What is checked").
   std::chrono::milliseconds report_after() const;
@@ -186,6 +202,7 @@ class CollectiveWatch {
   std::exception_ptr mismatch_;  // the first lane's CollectiveMismatch, or shutdown()'s
   std::atomic<bool> has_mismatch_{false};
   std::atomic<bool> shut_down_{false};
+  std::atomic<bool> lost_peer_{false};  // explain_loss() ran: an error end is an echo
 };
 
 }  // namespace mnist_ddp

@@ -10,9 +10,10 @@ namespace mnist_ddp {
 
 using namespace watching;
 
-CollectiveWatch::CollectiveWatch(StorePtr store, int rank, int world_size, std::chrono::milliseconds timeout)
+CollectiveWatch::CollectiveWatch(StorePtr store, int rank, int world_size, std::chrono::milliseconds timeout,
+                                 RankNames names)
     : rank_(rank), world_size_(world_size), timeout_(timeout),
-      dog_(std::make_shared<Watchdog>(std::move(store), rank, world_size, timeout)) {
+      dog_(std::make_shared<Watchdog>(std::move(store), rank, world_size, timeout, std::move(names))) {
   std::thread([dog = dog_] { dog->run(); }).detach();
 }
 
@@ -22,6 +23,8 @@ CollectiveWatch::~CollectiveWatch() {
   dog_->cv.notify_all();
   dog_->cv.wait_for(lock, std::chrono::seconds(1), [this] { return dog_->stopped; });
 }
+
+const RankNames& CollectiveWatch::names() const { return dog_->names; }
 
 std::chrono::milliseconds CollectiveWatch::report_after() const {
   return std::min<std::chrono::milliseconds>(std::chrono::seconds(20), timeout_ / 3);
@@ -252,10 +255,10 @@ std::string CollectiveWatch::mismatch_line(const std::string& lane, uint64_t pos
   std::vector<Whereabouts> said;
   for (int r = 0; r < world_size_; ++r) {
     if (whats[r].empty()) continue;
-    line += (line.empty() ? "rank " : "; rank ") + std::to_string(r) + " is in " + whats[r];
+    line += (line.empty() ? "" : "; ") + dog_->names.rank(r) + " is in " + whats[r];
     said.push_back({issuers[r], false});
   }
-  return line + ": " + advice_for(said);
+  return dog_->names.line(line + ": " + advice_for(said));
 }
 
 std::exception_ptr CollectiveWatch::explain_loss(LaneState& lane, std::exception_ptr error) {
@@ -263,6 +266,7 @@ std::exception_ptr CollectiveWatch::explain_loss(LaneState& lane, std::exception
   uint64_t position;
   Issuer issuer;
   std::string what;
+  lost_peer_ = true;
   {
     std::lock_guard<std::mutex> lock(lane.mutex);
     checking = lane.checking;  // past the check, every rank reached this collective
@@ -284,7 +288,7 @@ void CollectiveWatch::ended(bool cleanly) {
   try {
     if (dog_->counted_blocked.exchange(false)) dog_->client.add(kBlocked, -1);
     dog_->client.set(kEnded + "/" + std::to_string(rank_),
-                     (cleanly ? "clean" : "error") + std::string(1, kBeatEnd) + dog_->status());
+                     (cleanly ? "clean" : lost_peer_ ? "echo" : "error") + std::string(1, kBeatEnd) + dog_->status());
     dog_->client.add(kEnded, 1);
   } catch (const std::exception&) {
     // The store is gone: so is the job; nobody waits to be told.

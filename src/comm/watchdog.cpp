@@ -152,31 +152,46 @@ std::exception_ptr CollectiveWatch::Watchdog::conclusive(const std::vector<std::
 }
 
 // A rank that ended before check `position` of `lane`, where this rank
-// waits in `what`: uneven inputs, or an echo of a rank's failure.
+// waits in `what`: uneven inputs, or an echo of a rank's failure. A rank
+// that ended because it lost a peer itself is no cause: the ranks that
+// said nothing are named beside it.
 std::exception_ptr CollectiveWatch::Watchdog::ended_before(const std::string& lane, uint64_t position,
                                                            const Issuer& issuer, const std::string& what,
                                                            const std::map<int, std::string>& ended) {
-  std::vector<int> who;
+  std::vector<int> who, echoes;
   std::string last;
   for (const auto& [r, record] : ended) {
     const auto lanes = rank_view(record).lanes;
     const auto theirs = lanes.find(lane);
     if (theirs != lanes.end() && theirs->second.passed > position) continue;  // it passed this check
+    if (record.rfind("echo", 0) == 0) {
+      echoes.push_back(r);
+      continue;
+    }
     if (record.rfind("clean", 0) != 0)  // it failed: its own line says why, this one only echoes it
-      return std::make_exception_ptr(PeerLost("rank " + std::to_string(r) + " ended with an error while rank " +
-                                              std::to_string(rank) + " was in " + what));
+      return std::make_exception_ptr(PeerLost(names.line(names.rank(r) + " ended with an error while " +
+                                                         names.rank(rank) + " was in " + what)));
     who.push_back(r);
     if (last.empty() && theirs != lanes.end() && theirs->second.passed > 0) last = theirs->second.what;
+  }
+  if (who.empty() && !echoes.empty()) {
+    std::vector<int> unsaid;
+    for (int r = 0; r < world; ++r)
+      if (r != rank && !ended.count(r)) unsaid.push_back(r);
+    return std::make_exception_ptr(PeerLost(names.line(
+        names.rank(rank) + " lost a peer in " + what + "; " + names.list(echoes) + " lost one too" +
+        (unsaid.empty() ? std::string()
+                        : "; " + names.list(unsaid) + " said nothing (killed, or " +
+                              (unsaid.size() > 1 ? "their machines" : "its machine") + " lost)"))));
   }
   if (who.empty()) return nullptr;
   Whereabouts ended_there;
   ended_there.issuer.kind = kEndedKind;
   ended_there.ended = true;
-  const std::string line = "rank " + std::to_string(rank) + " is in " + what + "; " + rank_list(who) + " ended " +
-                           (who.size() > 1 ? "their programs" : "its program") +
+  const std::string line = names.rank(rank) + " is in " + what + "; " + names.list(who) + " " + names.ended(who.size()) +
                            (last.empty() ? std::string() : " (the last collective it passed there: " + last + ")") +
                            ": " + advice_for({{issuer, false}, ended_there});
-  return std::make_exception_ptr(CollectiveMismatch(line));
+  return std::make_exception_ptr(CollectiveMismatch(names.line(line)));
 }
 
 // "rank 1 waits in ...; rank 2 last passed ..." for every other rank, and
@@ -187,7 +202,7 @@ std::string CollectiveWatch::Watchdog::where_each_waits(const std::map<int, std:
   for (int r = 0; r < world; ++r) {
     if (r == rank) continue;
     const RankView view = rank_view(beats.count(r) ? beats.at(r) : "");
-    out += "; rank " + std::to_string(r) + " " + said_of(view, beats.count(r) > 0, lane);
+    out += "; " + names.rank(r) + " " + said_of(view, beats.count(r) > 0, lane);
     if (where) where->push_back(whereabouts_of(view));
   }
   return out;
@@ -202,10 +217,12 @@ void CollectiveWatch::Watchdog::report(const Wait& oldest, Clock::time_point now
   std::vector<Whereabouts> where{{oldest.issuer, false}};
   const std::string others = where_each_waits(beats, oldest.lane->name, &where);
   const auto waited = std::chrono::duration_cast<std::chrono::seconds>(now - oldest.since).count();
-  const std::string line = "[rank " + std::to_string(rank) + "] mnist_ddp: rank " + std::to_string(rank) +
-                           " has waited " + std::to_string(waited) + " s in " + oldest.what + others +
-                           "; likely cause: " + advice_for(where) + "; waiting on, up to the timeout (" +
-                           std::to_string(timeout.count() / 1000) + " s)\n";
+  const std::string line = "[" + names.rank(rank) + "] mnist_ddp: " +
+                           names.line(names.rank(rank) + " has waited " + std::to_string(waited) + " s in " +
+                                      oldest.what + others + "; likely cause: " + advice_for(where) +
+                                      "; waiting on, up to the timeout (" + std::to_string(timeout.count() / 1000) +
+                                      " s)") +
+                           "\n";
   if (::write(2, line.data(), line.size()) < 0) {
     // Nowhere to say it: the timeout still names it.
   }
@@ -213,9 +230,9 @@ void CollectiveWatch::Watchdog::report(const Wait& oldest, Clock::time_point now
 
 std::exception_ptr CollectiveWatch::Watchdog::timed_out(const Wait& wait) {
   if (wait.promised)
-    return std::make_exception_ptr(CollectiveTimedOut(wait.what + " did not complete within " +
-                                                      std::to_string(timeout.count() / 1000) +
-                                                      " s (the timeout): a communication hook's future must complete"));
+    return std::make_exception_ptr(CollectiveTimedOut(names.line(
+        wait.what + " did not complete within " + std::to_string(timeout.count() / 1000) +
+        " s (the timeout): a communication hook's future must complete")));
   std::map<int, std::string> beats;
   try {
     beats = read_heartbeats();
@@ -231,12 +248,13 @@ std::exception_ptr CollectiveWatch::Watchdog::timed_out(const Wait& wait) {
         here->second.passed == wait.position + (wait.checking ? 0 : 1))
       continue;  // it waits with this rank
     missing.push_back(r);
-    where += "; rank " + std::to_string(r) + " " + said_of(view, beats.count(r) > 0, wait.lane->name);
+    where += "; " + names.rank(r) + " " + said_of(view, beats.count(r) > 0, wait.lane->name);
   }
-  const std::string who = missing.empty() ? "the other ranks" : rank_list(missing);
-  return std::make_exception_ptr(CollectiveTimedOut(who + " did not reach " + wait.what +
-                                                    (wait.checking ? "" : "'s transfer") + " within " +
-                                                    std::to_string(timeout.count() / 1000) + " s (the timeout)" + where));
+  const std::string who = missing.empty() ? "the other ranks" : names.list(missing);
+  return std::make_exception_ptr(CollectiveTimedOut(names.line(who + " did not reach " + wait.what +
+                                                               (wait.checking ? "" : "'s transfer") + " within " +
+                                                               std::to_string(timeout.count() / 1000) +
+                                                               " s (the timeout)" + where)));
 }
 
 namespace {
@@ -298,14 +316,14 @@ std::string CollectiveWatch::Watchdog::deadlock(Clock::time_point now) {
   std::string line;
   std::vector<Whereabouts> where;
   for (const auto& [r, view] : views) {
-    line += (line.empty() ? "rank " : "; rank ") + std::to_string(r) + " " + said_of(view, true, "");
+    line += (line.empty() ? "" : "; ") + names.rank(r) + " " + said_of(view, true, "");
     where.push_back(whereabouts_of(view));
   }
   for (const auto& [r, record] : ended) {
-    line += "; rank " + std::to_string(r) + " ended its program";
+    line += "; " + names.rank(r) + " " + names.ended(1);
     where.push_back({Issuer(kEndedKind, 0, -1, ""), true});
   }
-  return line + ", each on another stream, so none can go on: " + advice_for(where);
+  return names.line(line + ", each on another stream, so none can go on: " + advice_for(where));
 }
 
 }  // namespace mnist_ddp

@@ -42,8 +42,6 @@ const std::string kBlocked = "blocked";    // how many ranks have every posting 
 const std::string kDeadlock = "deadlock";  // the line of the first rank that found every rank deadlocked
 
 std::vector<std::string> split_on(const std::string& s, char by);
-// "rank 1", "ranks 1, 2".
-std::string rank_list(const std::vector<int>& ranks);
 // One lane as a heartbeat carries it.
 std::string lane_text(LaneState& lane);
 // Where a rank waits, in words ("waits in X", "last passed X", ...), for
@@ -76,14 +74,16 @@ struct CollectiveWatch::Wait {
 // The thread and all it keeps: it may outlive the CollectiveWatch (left to
 // the process's end while a store request hangs), so it owns what it uses.
 struct CollectiveWatch::Watchdog {
-  Watchdog(StorePtr store, int r, int w, std::chrono::milliseconds t)
+  Watchdog(StorePtr store, int r, int w, std::chrono::milliseconds t, RankNames n)
       : client(std::move(store), std::min<std::chrono::milliseconds>(t, std::chrono::seconds(5)), "the store"),
         rank(r),
         world(w),
-        timeout(t) {}
+        timeout(t),
+        names(std::move(n)) {}
   StoreClient client;
   const int rank, world;
   const std::chrono::milliseconds timeout;
+  const RankNames names;
   std::mutex mutex;  // guards what follows
   std::condition_variable cv;
   bool stopping = false, stopped = false;
