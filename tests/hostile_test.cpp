@@ -145,7 +145,7 @@ TEST_F(Hostile, NodesSharingASecretTakeNoNeighboursWordAndAPreemptedNodeIsNamed)
   ASSERT_TRUE(store);
   store->set("restart/1/cause", bytes_of("node 1: a neighbour wrote this"));
   store->set("preempted/0", bytes_of("node 0: SIGUSR1"));
-  store->set("secret/differs", bytes_of("a neighbour says the secrets differ"));  // at the root: no node's line
+  store->set("secret/0/differs", bytes_of("a neighbour says the secrets differ"));  // at the root: no node's line
   // The launchers look for a cause every 250 ms: the job goes on through
   // two more checkpoints, which takes longer, and no node moves.
   const auto at = [&] {
@@ -326,8 +326,9 @@ TEST_F(Hostile, ASecretThatCannotBeReadOrDiffersIsOneLine) {
 // rank gets (torchrun passes one to all), or on one node only (a path that
 // node 0's machine has and node 1's lacks): every rank and every node ends
 // at once in one line, none waiting out --timeout for a store that is gone
-// or a node that left.
-TEST_F(Hostile, ASecretFileThatCannotBeUsedEndsEveryRankAndNodeAtOnce) {
+// or a node that left. Issue 55: so do ranks of another launcher whose
+// secrets differ, or whose rank 0 alone cannot use its file.
+TEST_F(Hostile, ASecretThatDiffersOrCannotBeUsedEndsEveryRankAndNodeAtOnce) {
   const std::string missing = "MNIST_DDP_SECRET_FILE=" + (dir_ / "no-such-file");
   const std::string refusal = "MNIST_DDP_SECRET_FILE=" + (dir_ / "no-such-file") + ": No such file or directory";
   const std::string cannot = " cannot use its MNIST_DDP_SECRET_FILE (missing, empty, unreadable or a directory there)";
@@ -385,6 +386,26 @@ TEST_F(Hostile, ASecretFileThatCannotBeUsedEndsEveryRankAndNodeAtOnce) {
     for (const auto& [r, process] : {std::pair{0, rank0.get()}, std::pair{2, rank2.get()}})
       ended_saying(*process, dir_ / ("rank" + std::to_string(r) + ".txt"), start,
                    "rank " + std::to_string(r) + ": rank 1" + cannot + ": give every rank the same file");
+  }
+  // Rank 0's file alone missing: its store says so, and rank 1 ends too.
+  {
+    const auto start = std::chrono::steady_clock::now();
+    auto rank0 = rank(0, 2, missing), rank1 = rank(1, 2, good);
+    ended_saying(*rank1, dir_ / "rank1.txt", start, "rank 1: rank 0" + cannot + ": give every rank the same file");
+    ended_saying(*rank0, dir_ / "rank0.txt", start, "rank 0: " + refusal);
+  }
+  // Secrets that differ, or rank 0's alone: both ranks name rank 1's.
+  for (const auto& [theirs, how] : std::vector<std::pair<std::string, std::string>>{
+           {"MNIST_DDP_SECRET=another job's", "rank 1's secret differs from rank 0's"},
+           {"MNIST_DDP_SECRET=", "rank 1 has no secret and rank 0 has one"}}) {
+    const auto start = std::chrono::steady_clock::now();
+    auto rank0 = rank(0, 2, "MNIST_DDP_SECRET=the job's"), rank1 = rank(1, 2, theirs);
+    for (const auto& [r, process] : {std::pair{0, rank0.get()}, std::pair{1, rank1.get()}}) {
+      ended_saying(*process, dir_ / ("rank" + std::to_string(r) + ".txt"), start,
+                   "rank " + std::to_string(r) + ": " + how + ": give every rank the same MNIST_DDP_SECRET or "
+                   "MNIST_DDP_SECRET_FILE");
+      EXPECT_EQ(read_text(dir_ / ("rank" + std::to_string(r) + ".txt")).find("the job's"), std::string::npos);
+    }
   }
   // Two nodes, the file missing on node 1's machine: node 1 refuses, and
   // node 0, whose worker waits for node 1's, is told so and ends too.

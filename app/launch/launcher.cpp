@@ -16,9 +16,9 @@
 
 #include "app/base/faults.hpp"
 #include "app/base/files.hpp"
+#include "comm/secrets.hpp"
 #include "comm/store.hpp"
 #include "app/launch/containment.hpp"
-#include "app/launch/node_secrets.hpp"
 #include "app/launch/restart_rounds.hpp"
 #include "app/launch/supervisor.hpp"
 #include "app/train/checkpoint.hpp"
@@ -35,6 +35,11 @@ constexpr auto kGracePeriod = std::chrono::seconds(5);  // SIGTERM, then SIGKILL
 constexpr auto kPreemptionGrace = std::chrono::seconds(60);
 // How long a process a worker left behind has to end after SIGTERM.
 constexpr auto kOrphanGrace = std::chrono::milliseconds(2000);
+// Where the nodes say how their secrets stand (comm/secrets.hpp): node 0's
+// store lives as long as the job, its rounds included.
+const SecretKeys kSecretKeys(0);
+
+std::string node(int n) { return "node " + std::to_string(n); }
 
 // The launcher as the subreaper of everything its workers start: whatever
 // is still running when it returns, or throws, is ended (supervisor.hpp).
@@ -81,7 +86,8 @@ class Launcher {
         say_no_more();
         std::cerr << "mnist_ddp: error: " << e.what() << std::endl;
         if (opts_.node_rank > 0)
-          tell_node_0(opts_.master_addr, opts_.master_port, secret_difference(opts_.node_rank, kUnusableSecretFile));
+          tell_the_first(opts_.master_addr, opts_.master_port, kSecretKeys,
+                         secret_difference(node(opts_.node_rank), node(0), SecretStand::unusable_file));
         else
           tell_the_nodes();
         return 2;
@@ -175,11 +181,11 @@ class Launcher {
     try {
       store_ = open_store(opts_.master_addr, opts_.master_port, true, timeout());
       const StoreClient client(store_, timeout(), "the store");
-      client.set(kSecretCheck, kNode0CannotUseItsFile);
+      client.set(kSecretKeys.check, kFirstCannotUseItsFile);
       std::cerr << "mnist_ddp: telling the other nodes, for up to " << static_cast<int64_t>(opts_.timeout)
                 << " s (--timeout; Ctrl-C ends it)" << std::endl;
       const auto deadline = std::chrono::steady_clock::now() + timeout();
-      while (client.add(kSecretEnded, 0) < opts_.nnodes - 1 && std::chrono::steady_clock::now() < deadline)
+      while (client.add(kSecretKeys.ended, 0) < opts_.nnodes - 1 && std::chrono::steady_clock::now() < deadline)
         if (supervisor_.wait(std::chrono::milliseconds(100)).signal) return;
     } catch (const std::exception&) {
     }
@@ -193,31 +199,29 @@ class Launcher {
   int compare_secrets(const std::string& secret) {
     const StoreClient client(store_, timeout(), "node 0's store");
     if (opts_.node_rank == 0) {
-      client.set(kSecretCheck, secret_check(secret, random_prefix()));
+      client.set(kSecretKeys.check, secret_check(secret, random_prefix()));
       return -1;
     }
     const auto deadline = std::chrono::steady_clock::now() + timeout();
-    while (client.wait({kSecretCheck}, std::chrono::milliseconds(250)).size() == 1) {
+    while (client.wait({kSecretKeys.check}, std::chrono::milliseconds(250)).size() == 1) {
       if (const auto event = supervisor_.wait(std::chrono::milliseconds(0)); event.signal) return on_signal(event.signal);
       if (std::chrono::steady_clock::now() >= deadline)
         throw std::runtime_error("node 0's store at " + opts_.master_addr + ":" + std::to_string(opts_.master_port) +
                                  " says nothing of its secret after " + std::to_string(static_cast<int64_t>(opts_.timeout)) +
                                  " s: is it mnist_ddp's node 0?");
     }
-    const std::string theirs = client.get(kSecretCheck);
-    if (theirs == kNode0CannotUseItsFile) {
-      client.add(kSecretEnded, 1);
-      throw UsageError(secret_difference(0, kUnusableSecretFile) + ": give every node the same file (docs/clusters.md)");
+    const std::optional<SecretStand> how = stand_against(secret, client.get(kSecretKeys.check));
+    if (!how) return -1;
+    if (*how == SecretStand::unusable_file) {
+      client.add(kSecretKeys.ended, 1);
+      throw UsageError(secret_difference(node(0), node(0), *how) + ": " + secret_advice("node", *how));
     }
-    const std::string salt = theirs.substr(0, theirs.find(':'));
-    if (secret_check(secret, salt) == theirs) return -1;
-    const int how = secret.empty() ? 0 : theirs.find(":none") != std::string::npos ? 1 : 2;
-    const std::string why = secret_difference(opts_.node_rank, how);
+    const std::string why = secret_difference(node(opts_.node_rank), node(0), *how);
     try {
-      client.set(kSecretDiffers, why);
+      client.set(kSecretKeys.differs, why);
     } catch (const std::exception&) {
     }
-    throw UsageError(why + ": give every node the same MNIST_DDP_SECRET or MNIST_DDP_SECRET_FILE (docs/clusters.md)");
+    throw UsageError(why + ": " + secret_advice("node", *how));
   }
 
   // The store outlives the workers, so the nodes can agree on a restart
@@ -287,13 +291,14 @@ class Launcher {
       if (event.failure) return on_failure(*event.failure, round);
       if (opts_.nnodes > 1 && opts_.node_rank == 0 && round == 0) {
         const StoreClient client(store_, timeout(), "the store");
-        if (client.check({kSecretDiffers}) && is_secret_difference(client.get(kSecretDiffers), opts_.nnodes)) {
-          failure_ = client.get(kSecretDiffers);
+        const std::string said = client.check({kSecretKeys.differs}) ? client.get(kSecretKeys.differs) : "";
+        const int from = secret_difference_of(said, "node", node(0));
+        if (from > 0 && from < opts_.nnodes) {
+          failure_ = said;
           supervisor_.stop(SIGTERM, kGracePeriod);
           say_no_more();
-          std::cerr << "mnist_ddp: error: " << failure_
-                    << ": give every node the same MNIST_DDP_SECRET or MNIST_DDP_SECRET_FILE (docs/clusters.md)"
-                    << std::endl;
+          std::cerr << "mnist_ddp: error: " << failure_ << ": "
+                    << secret_advice("node", SecretStand::differs) << std::endl;
           failure_.clear();
           interrupted_ = true;
           return 2;

@@ -363,7 +363,7 @@ ProcessGroup init_process_group(const WorkerEnv& launched, const ProcessGroupOpt
   // Under our launcher no worker reads a secret file (the launcher did).
   auto refused = [&](int ranks) {
     return env.ours() ? std::function<void()>()
-                      : [&root, ranks, host = job.hosted] { refused_secret_file(root, ranks, host); };
+                      : [&root, &job, ranks] { refused_secret(root, job.secret_keys, ranks, job.hosted); };
   };
   const RankPlan plan = env.rank < 0 ? agree_on_ranks(client, env, timeout, refused(0))
                                      : RankPlan{env.rank, env.world_size, {}};

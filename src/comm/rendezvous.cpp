@@ -10,9 +10,11 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -133,34 +135,69 @@ void compare_settings(const std::string& mine, int me, const std::string& theirs
   }
 }
 
-// Where a rank that cannot use its secret file says so, at the store's
-// root (it cannot name the job's prefix), and what it says: the other
-// ranks believe only that line, of one of theirs.
-constexpr const char* kUnusableSecretFile = "secret/unusable";
-constexpr const char* kToldOfSecretFile = "secret/told";  // how many ranks have read it
-const std::string kCannotUseItsFile = " cannot use its MNIST_DDP_SECRET_FILE (missing, empty, unreadable or a directory there)";
+}  // namespace
+
+namespace {
+
+std::string rank_named(int rank) { return "rank " + std::to_string(rank); }
+
+// Which member of the ranks `said` names: rank r of `world_size` (any
+// while the ranks are not yet agreed: 0, or a node's local rank, -2),
+// else -1.
+int member_saying(const std::string& said, int world_size) {
+  const int r = secret_difference_of(said, "rank", rank_named(0));
+  if (r > 0 && (world_size == 0 || r < world_size)) return r;
+  int node = -1, local = -1;
+  if (world_size == 0 && std::sscanf(said.c_str(), "node %d local rank %d", &node, &local) == 2 &&
+      said == secret_difference("node " + std::to_string(node) + " local rank " + std::to_string(local), rank_named(0),
+                                SecretStand::unusable_file))
+    return -2;
+  return -1;
+}
+
+// The first member's part: its check (or that it cannot use its file),
+// for the ranks to compare theirs with.
+void leave_the_check(const StoreClient& root, const SecretKeys& keys, const std::optional<std::string>& secret) {
+  root.set(keys.check, secret ? secret_check(*secret, random_prefix()) : kFirstCannotUseItsFile);
+}
+
+// Another rank's part: how its secret stands against rank 0's check, if
+// rank 0 left one within 5 s (a torchrun agent's count of starts may
+// differ between nodes: then a rank finds none, and compares nothing).
+// Throws UsageError, having said so there, where it differs.
+void compare_with_the_check(const StoreClient& root, const SecretKeys& keys, const std::string& secret,
+                            const std::string& me) {
+  if (!root.wait({keys.check}, std::chrono::seconds(5)).empty()) return;
+  const std::optional<SecretStand> how = stand_against(secret, root.get(keys.check));
+  if (!how) return;
+  if (*how == SecretStand::unusable_file) {
+    root.add(keys.ended, 1);
+    throw UsageError(secret_difference(rank_named(0), rank_named(0), *how) + ": " + secret_advice("rank", *how));
+  }
+  const std::string why = secret_difference(me, rank_named(0), *how);
+  try {
+    root.set(keys.differs, why);
+    root.add(keys.ended, 1);
+  } catch (const std::exception&) {
+    // The store went: rank 0 went with it, and has its own line.
+  }
+  throw UsageError(why + ": " + secret_advice("rank", *how));
+}
 
 }  // namespace
 
-void refused_secret_file(const StoreClient& root, int world_size, bool host) {
-  if (!root.check({kUnusableSecretFile})) return;
-  const std::string said = root.get(kUnusableSecretFile);
-  const size_t end = said.size() - std::min(said.size(), kCannotUseItsFile.size());
-  if (said.compare(end, std::string::npos, kCannotUseItsFile) != 0) return;
-  const std::string who = said.substr(0, end);
-  int node = -1, local = -1;
-  bool ours = false;
-  for (int r = 0; r < world_size && !ours; ++r) ours = who == "rank " + std::to_string(r);
-  if (world_size == 0 && std::sscanf(who.c_str(), "node %d local rank %d", &node, &local) == 2)
-    ours = who == "node " + std::to_string(node) + " local rank " + std::to_string(local);
-  if (!ours) return;
-  // The store's host waits (5 s at most) until every rank but the one
-  // that said it has read the word: its store ends with it.
-  root.add(kToldOfSecretFile, 1);
+void refused_secret(const StoreClient& root, const SecretKeys& keys, int world_size, bool host) {
+  if (!root.check({keys.differs})) return;
+  const std::string said = root.get(keys.differs);
+  if (member_saying(said, world_size) == -1) return;
+  // The store's host waits (5 s at most) until every rank, the one that
+  // said it included, has ended over the word: its store ends with it.
+  root.add(keys.ended, 1);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (host && root.add(kToldOfSecretFile, 0) < world_size - 1 && std::chrono::steady_clock::now() < deadline)
+  while (host && root.add(keys.ended, 0) < world_size && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  throw UsageError(said + ": give every rank the same file");
+  const bool file = said.find("cannot use its MNIST_DDP_SECRET_FILE") != std::string::npos;
+  throw UsageError(said + ": " + secret_advice("rank", file ? SecretStand::unusable_file : SecretStand::differs));
 }
 
 // The store the workers of this start meet in, and which start of the job
@@ -182,37 +219,58 @@ JobStore open_job_store(const WorkerEnv& env, std::chrono::milliseconds timeout)
   // read first: a bad secret file ends every rank at once, not only the
   // store's host while the others wait for it, and a rank whose file alone
   // fails tells the others.
-  std::string secret;
+  // The ranks then compare their secrets (comm/secrets.hpp), rank 0's
+  // check first, each start's words apart where the store outlives starts.
+  const SecretKeys keys(env.agent_store ? env.restart : 0);
+  const std::string me = env.rank >= 0 ? rank_named(env.rank)
+                                       : "node " + std::to_string(env.node_rank) + " local rank " +
+                                             std::to_string(env.local_rank);
+  std::optional<std::string> secret = std::string();
+  std::exception_ptr unusable;
   try {
-    secret = env.ours() ? "" : env.secret.read();
+    if (!env.ours()) secret = env.secret.read();
   } catch (const UsageError&) {
-    if (!host) {
-      const std::string who = env.rank >= 0 ? "rank " + std::to_string(env.rank)
-                                            : "node " + std::to_string(env.node_rank) + " local rank " +
-                                                  std::to_string(env.local_rank);
-      leave_word(env.master_addr, env.master_port,
-                 [&](const StoreClient& store) { store.set(kUnusableSecretFile, who + kCannotUseItsFile); });
+    secret.reset();
+    unusable = std::current_exception();
+    if (env.rank != 0) {
+      tell_the_first(env.master_addr, env.master_port, keys,
+                     secret_difference(me, rank_named(0), SecretStand::unusable_file));
+      throw;
     }
-    throw;
   }
   StorePtr store;
   try {
     store = open_store(env.master_addr, env.master_port, host, timeout);
   } catch (const PortInUse&) {
+    if (unusable) std::rethrow_exception(unusable);
     throw std::runtime_error("MASTER_PORT " + std::to_string(env.master_port) + " is already in use on " +
                              env.master_addr + ": export MASTER_PORT with a free port for this job");
   }
-  const std::string prefix = env.ours() ? env.store_prefix : secret.empty() ? "" : prefix_for_secret(secret);
+  if (!env.ours() && env.rank >= 0 && env.world_size > 1) {
+    const StoreClient root(store, timeout, "the store at " + env.master_addr + ":" + std::to_string(env.master_port));
+    if (env.rank > 0) {
+      compare_with_the_check(root, keys, *secret, me);
+    } else {
+      leave_the_check(root, keys, secret);
+      // Rank 0 cannot use its file: its store (if it hosts it) stays up
+      // until every other rank has read so, 5 s at most.
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (unusable && root.add(keys.ended, 0) < env.world_size - 1 && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  if (unusable) std::rethrow_exception(unusable);
+  const std::string prefix = env.ours() ? env.store_prefix : secret->empty() ? "" : prefix_for_secret(*secret);
   auto under = [&](const std::string& name) -> StorePtr {
     return c10::make_intrusive<c10d::PrefixStore>(prefix.empty() ? name : prefix + "/" + name, store);
   };
-  if (env.ours()) return {under("round/" + std::to_string(env.round)), store, env.round, host};
-  if (!env.agent_store) return {prefix.empty() ? store : under("job"), store, env.restart, host};
+  if (env.ours()) return {under("round/" + std::to_string(env.round)), store, env.round, host, keys};
+  if (!env.agent_store) return {prefix.empty() ? store : under("job"), store, env.restart, host, keys};
   const StoreClient client(store, timeout,
                            "torchrun's store at " + env.master_addr + ":" + std::to_string(env.master_port));
   const std::string starts = (prefix.empty() ? "" : prefix + "/") + "mnist_ddp/starts/rank_" + std::to_string(env.rank);
   const int start = static_cast<int>(client.add(starts, 1)) - 1;
-  return {under("/worker/attempt_" + std::to_string(start)), store, start, host};
+  return {under("/worker/attempt_" + std::to_string(start)), store, start, host, keys};
 }
 
 // This rank's place among the nodes' workers when the launcher left it open:

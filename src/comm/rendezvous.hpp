@@ -12,6 +12,7 @@
 #include "base/environment.hpp"
 #include "mnist_ddp/base/errors.hpp"
 #include "mnist_ddp/comm/process_group.hpp"
+#include "comm/secrets.hpp"
 #include "comm/store.hpp"
 
 namespace mnist_ddp {
@@ -26,20 +27,25 @@ std::string local_address_towards(const std::string& host);
 
 // The store the workers of this start meet in, the store's root, and which
 // start of the job it is (see rendezvous.cpp, "Note on torchrun's
-// restarts"). A rank that cannot use its MNIST_DDP_SECRET_FILE throws
-// UsageError, having said so at the root of the store, if it answered
-// within 5 s, for the other ranks' refused_secret_file().
+// restarts"). The ranks of another launcher compare their secrets there
+// (comm/secrets.hpp): a rank that cannot use its MNIST_DDP_SECRET_FILE, or
+// whose secret differs from rank 0's, throws UsageError, having said so at
+// the root of the store (if it answered within 5 s) for the other ranks'
+// refused_secret(); rank 0, where it cannot use its file, says so to the
+// others the same way first.
 struct JobStore {
   StorePtr store, root;
   int start = 0;
   bool hosted = false;  // this rank hosts it
+  SecretKeys secret_keys{0};
 };
 JobStore open_job_store(const WorkerEnv& env, std::chrono::milliseconds timeout);
 
 // Throws UsageError if a rank of `world_size` (any, while the ranks are
-// not yet agreed: 0) has said at `root` that it cannot use its secret
-// file; the store's `host` first waits (5 s at most) for the others to read it.
-void refused_secret_file(const StoreClient& root, int world_size, bool host);
+// not yet agreed: 0) has said at `root` that its secret differs or that it
+// cannot use its file; the store's `host` first waits (5 s at most) for
+// the others to read it.
+void refused_secret(const StoreClient& root, const SecretKeys& keys, int world_size, bool host);
 
 // This rank's place among the nodes' workers when the launcher left it
 // open: each node's local rank 0 claims its node rank and announces its
