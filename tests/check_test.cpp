@@ -190,7 +190,9 @@ TEST(CollectiveCheck, RanksThatDifferInOneThingOnlyAreNamedWhateverItIs) {
 
 // Checked alongside (as under NCCL), the collective is issued at once and
 // its check held to it when it completes: matched collectives give their
-// sums, and a mismatch is the same line, thrown by the rank's next wait.
+// sums, a mismatched pair of the same size is summed all the same (its
+// call returns), and the mismatch is the same line, thrown by the rank's
+// next wait.
 TEST(CollectiveCheck, ACheckAlongsideItsCollectiveFindsTheSameMismatch) {
   test::Ranks how;
   how.check = Check::alongside;
@@ -209,11 +211,13 @@ TEST(CollectiveCheck, ACheckAlongsideItsCollectiveFindsTheSameMismatch) {
   EXPECT_EQ(sums[1], 9.0);
   // Found as the check completes, in the background: one of the next
   // collectives' waits (within a second or so) throws it.
+  std::vector<float> summed(2, -1);
   const Caught caught = catch_on_ranks(
       2,
-      [](ProcessGroup& group) {
-        auto t = torch::zeros({1000});
+      [&](ProcessGroup& group) {
+        auto t = torch::full({1000}, static_cast<float>(group.rank() + 1));
         bulk_stream(group)->allreduce_sum(t, group.rank() == 0 ? "the program's A" : "the program's B");
+        summed[group.rank()] = t[0].item<float>();
         for (int i = 0; i < 100; ++i) {
           bulk_stream(group)->allreduce_sum(t, "the program's next");
           std::this_thread::sleep_for(50ms);
@@ -225,6 +229,7 @@ TEST(CollectiveCheck, ACheckAlongsideItsCollectiveFindsTheSameMismatch) {
                            "(docs/library.md, \"What is checked\")";
   EXPECT_EQ(caught.said[0], line);
   EXPECT_EQ(caught.said[1], line);
+  EXPECT_EQ(summed, (std::vector<float>{3, 3})) << "the collective waited for its check";
 }
 
 // Ranks waiting on two lanes at once are no evidence of a mistake (two
@@ -339,13 +344,15 @@ TEST(CollectiveCheck, OffIssuesCollectivesAsAskedAndJoinSaysItNeedsTheCheck) {
                     "issue: leave ProcessGroupOptions().check_collectives on");
 }
 
-// A store that refuses the heartbeat for a while: the heartbeat goes on
-// once it takes writes again.
-TEST(CollectiveWatch, TheHeartbeatGoesOnAfterTheStoreRefusedIt) {
+// A store that refuses the heartbeat for a while, then one that stalls it
+// (a write that does not return): the heartbeat goes on once it takes
+// writes again.
+TEST(CollectiveWatch, TheHeartbeatGoesOnAfterTheStoreRefusedOrStalledIt) {
   struct RefusingStore : c10d::HashStore {
-    std::atomic<bool> refusing{false};
+    std::atomic<bool> refusing{false}, stalling{false};
     void set(const std::string& key, const std::vector<uint8_t>& value) override {
       if (refusing && key.rfind("heartbeat/", 0) == 0) throw std::runtime_error("the store refuses");
+      while (stalling && key.rfind("heartbeat/", 0) == 0) std::this_thread::sleep_for(10ms);
       HashStore::set(key, value);
     }
   };
@@ -361,6 +368,13 @@ TEST(CollectiveWatch, TheHeartbeatGoesOnAfterTheStoreRefusedIt) {
   const auto during = beats();
   store->refusing = false;
   EXPECT_TRUE(test::eventually([&] { return beats() > during; }, 5s)) << "the heartbeat stopped for good";
+  store->stalling = true;
+  std::this_thread::sleep_for(2500ms);
+  const auto stalled = beats();
+  std::this_thread::sleep_for(1500ms);
+  EXPECT_EQ(beats(), stalled) << "a heartbeat went through a stalled store";
+  store->stalling = false;
+  EXPECT_TRUE(test::eventually([&] { return beats() > stalled; }, 5s)) << "the heartbeat stopped after the stall";
 }
 
 // A model with SyncBatchNorm between two layers, for ddp.join().

@@ -678,6 +678,102 @@ TEST(Library, AnInfOnOneRankMakesEveryRankSkipTheStepAlike) {
   }
 }
 
+// GradScalers made with other options are named at their first step(),
+// on every rank, in one line.
+TEST(Library, GradScalersOfOtherOptionsAreNamedAtTheirFirstStep) {
+  auto models = replicas<BranchImpl>(103);
+  std::vector<std::string> said(kWorld);
+  run_ranks(kWorld, [&](ProcessGroup& group) {
+    auto model = models[group.rank()];
+    DistributedDataParallel ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    GradScaler scaler(group, GradScalerOptions().growth_interval(group.rank() == 1 ? 100 : 2000));
+    scaler.scale(ddp.forward(shard(torch::ones({8, 4}), group.rank()), true).pow(2).mean()).backward();
+    try {
+      scaler.step(opt);
+    } catch (const UsageError& e) {
+      said[group.rank()] = e.what();
+    }
+  });
+  for (const auto& s : said)
+    EXPECT_EQ(s, "GradScaler: rank 1's options is init_scale 65536, growth_factor 2, backoff_factor 0.5, "
+                 "growth_interval 100, rank 0's is init_scale 65536, growth_factor 2, backoff_factor 0.5, "
+                 "growth_interval 2000: every rank must make its GradScaler with the same options and state");
+}
+
+// Runs `lin` again in its backward and backpropagates through it there, a
+// reentrant backward (as activation checkpointing does): lin's parameters
+// get one more gradient from inside the outer backward.
+struct Recomputed : torch::autograd::Function<Recomputed> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& anchor, torch::nn::LinearImpl* lin) {
+    ctx->saved_data["lin"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(lin));
+    ctx->saved_data["x"] = x.detach();
+    torch::NoGradGuard no_grad;
+    return lin->forward(x) + anchor;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* lin = reinterpret_cast<torch::nn::LinearImpl*>(static_cast<intptr_t>(ctx->saved_data["lin"].toInt()));
+    torch::AutoGradMode enabled(true);
+    torch::autograd::backward({lin->forward(ctx->saved_data["x"].toTensor())}, {grads[0]});
+    return {torch::Tensor(), grads[0].sum().reshape({1}), torch::Tensor()};
+  }
+};
+
+// static_graph where a parameter gets two gradients a step (one from a
+// reentrant backward) averages as one process; a later step that gives it
+// three, or one, is refused naming it.
+TEST(Library, StaticGraphCountsEachParametersGradientsAndNamesAnotherCount) {
+  struct ReentrantImpl : torch::nn::Module {
+    ReentrantImpl() {
+      lin = register_module("lin", torch::nn::Linear(4, 4));
+      anchor = register_parameter("anchor", torch::zeros({1}));
+    }
+    torch::Tensor forward(const torch::Tensor& x, int64_t recomputed) {
+      torch::Tensor y = lin(x);
+      for (int64_t i = 0; i < recomputed; ++i) y = y + Recomputed::apply(x, anchor, lin.get());
+      return y.pow(2).mean();
+    }
+    torch::nn::Linear lin{nullptr};
+    torch::Tensor anchor;
+  };
+  auto models = replicas<ReentrantImpl>(104);
+  torch::manual_seed(105);
+  const auto x = torch::randn({8, 4});
+  std::vector<Snapshot> first(kWorld);
+  std::vector<std::string> more(kWorld), fewer(kWorld);
+  run_ranks(kWorld, [&](ProcessGroup& group) {
+    auto model = models[group.rank()];
+    for (const int64_t later : {2, 0}) {
+      DistributedDataParallel ddp(model, group, DdpOptions().static_graph(true));
+      model->zero_grad();
+      ddp.forward(shard(x, group.rank()), int64_t{1}).backward();
+      if (later == 2) first[group.rank()] = snapshot(*model);
+      try {
+        ddp.forward(shard(x, group.rank()), later).backward();
+        ddp.forward(shard(x, group.rank()), int64_t{1});
+      } catch (const std::exception& error) {
+        (later == 2 ? more : fewer)[group.rank()] = error.what();
+      }
+    }
+  });
+  auto oracle = models[kWorld];
+  ((oracle->forward(shard(x, 0), 1) + oracle->forward(shard(x, 1), 1)) / kWorld).backward();
+  expect_oracle(first, snapshot(*oracle));
+  for (int r = 0; r < kWorld; ++r) {
+    // lin.bias or lin.weight, whichever the autograd engine reaches first
+    EXPECT_EQ(more[r].rfind("DistributedDataParallel: parameter lin.", 0), 0u) << more[r];
+    EXPECT_NE(more[r].find(" received 3 gradients in this step, 2 in the first: with static_graph the graph must be "
+                           "the same every step"),
+              std::string::npos)
+        << more[r];
+    EXPECT_EQ(fewer[r], "DistributedDataParallel: the last backward ended before these parameters received as many "
+                        "gradients as in the first step: anchor lin.weight lin.bias; every parameter must take part in "
+                        "the loss, or construct DDP with DdpOptions().find_unused_parameters(true)");
+  }
+}
+
 // Autocast lowers what its scope computes to bfloat16 (and float16 where
 // this LibTorch's CPU autocast has it, else says why not), nests, and puts
 // the state before back; the parameters' gradients stay float32 and agree
