@@ -5,6 +5,7 @@
 // or PyTorch's stated semantics.
 #include <gtest/gtest.h>
 
+#include <dirent.h>
 #include <unistd.h>
 
 #include <torch/torch.h>
@@ -290,6 +291,43 @@ TEST(PyTorchDdp, NewGroupWithOtherRanksOnSomeRanksIsRefusedOnEvery) {
   for (const auto& s : said)
     EXPECT_EQ(s, "new_group: rank 1's new_group 1 is 1, rank 0's is 0, 1: every rank must call new_group, with the "
                  "same ranks, in the same order");
+}
+
+// The threads of this process.
+size_t threads_now() {
+  size_t n = 0;
+  if (DIR* dir = opendir("/proc/self/task")) {
+    while (const dirent* entry = readdir(dir)) n += entry->d_name[0] != '.';
+    closedir(dir);
+  }
+  return n;
+}
+
+// A new_group() whose last handle goes lets go of what it holds: its
+// watchdog, its streams and their backends' threads. Five made and dropped
+// in turn leave the process with the threads it had.
+TEST(PyTorchDdp, ANewGroupDroppedLetsGoOfItsThreads) {
+  size_t before = 0, after = 0;
+  std::vector<double> sums(2);
+  run_ranks(2, [&](ProcessGroup& group) {
+    group.barrier();
+    if (group.rank() == 0) before = threads_now();
+    group.barrier();
+    for (int i = 0; i < 5; ++i) {
+      auto sub = new_group(group, {0, 1});
+      auto t = torch::ones({2});
+      sub->allreduce_sum(t);
+      sums[group.rank()] += t[0].item<double>();
+    }
+    group.barrier();
+    if (group.rank() == 0) {
+      test::eventually([&] { return threads_now() <= before; }, std::chrono::seconds(5));
+      after = threads_now();
+    }
+    group.barrier();
+  });
+  EXPECT_EQ(sums, (std::vector<double>{10, 10}));
+  EXPECT_LE(after, before) << "threads left by five groups made and dropped";
 }
 
 // A new_group()'s verdicts name the group and its ranks as the job numbers

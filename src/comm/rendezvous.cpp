@@ -135,10 +135,6 @@ void compare_settings(const std::string& mine, int me, const std::string& theirs
   }
 }
 
-}  // namespace
-
-namespace {
-
 std::string rank_named(int rank) { return "rank " + std::to_string(rank); }
 
 // Which member of the ranks `said` names: rank r of `world_size` (any
