@@ -190,9 +190,7 @@ TEST(CollectiveCheck, RanksThatDifferInOneThingOnlyAreNamedWhateverItIs) {
 
 // Checked alongside (as under NCCL), the collective is issued at once and
 // its check held to it when it completes: matched collectives give their
-// sums, a mismatched pair of the same size is summed all the same (its
-// call returns), and the mismatch is the same line, thrown by the rank's
-// next wait.
+// sums, and a mismatch is the same line, thrown by the rank's next wait.
 TEST(CollectiveCheck, ACheckAlongsideItsCollectiveFindsTheSameMismatch) {
   test::Ranks how;
   how.check = Check::alongside;
@@ -211,13 +209,11 @@ TEST(CollectiveCheck, ACheckAlongsideItsCollectiveFindsTheSameMismatch) {
   EXPECT_EQ(sums[1], 9.0);
   // Found as the check completes, in the background: one of the next
   // collectives' waits (within a second or so) throws it.
-  std::vector<float> summed(2, -1);
   const Caught caught = catch_on_ranks(
       2,
-      [&](ProcessGroup& group) {
-        auto t = torch::full({1000}, static_cast<float>(group.rank() + 1));
+      [](ProcessGroup& group) {
+        auto t = torch::zeros({1000});
         bulk_stream(group)->allreduce_sum(t, group.rank() == 0 ? "the program's A" : "the program's B");
-        summed[group.rank()] = t[0].item<float>();
         for (int i = 0; i < 100; ++i) {
           bulk_stream(group)->allreduce_sum(t, "the program's next");
           std::this_thread::sleep_for(50ms);
@@ -229,7 +225,6 @@ TEST(CollectiveCheck, ACheckAlongsideItsCollectiveFindsTheSameMismatch) {
                            "(docs/library.md, \"What is checked\")";
   EXPECT_EQ(caught.said[0], line);
   EXPECT_EQ(caught.said[1], line);
-  EXPECT_EQ(summed, (std::vector<float>{3, 3})) << "the collective waited for its check";
 }
 
 // Ranks waiting on two lanes at once are no evidence of a mistake (two

@@ -191,12 +191,19 @@ c10::intrusive_ptr<c10d::TCPStore> open_store(const std::string& addr, int port,
     if (!host)  // a client's constructor may ask the server something (2.x): bounded
       return StoreClient::within(timeout + std::chrono::seconds(1), unreachable + " (it did not answer)",
                                  [addr, so] { return c10::make_intrusive<c10d::TCPStore>(addr, so); });
+    // The host's constructor asks its own server something too (2.x), and a
+    // neighbour that holds the server mid-request stalls it: bounded as well.
     store_bind_address() = address;
-    auto store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    auto store = StoreClient::within(
+        timeout + std::chrono::seconds(1),
+        "the store did not answer within " + std::to_string(timeout.count() / 1000) +
+            " s (--timeout): its host is gone or hung, or a client holds it mid-request",
+        [addr, so] { return c10::make_intrusive<c10d::TCPStore>(addr, so); });
     store_bind_address() = INADDR_NONE;
     name_store(addr, static_cast<int>(store->getPort()));
     return store;
   } catch (const StoreStalled&) {
+    store_bind_address() = INADDR_NONE;
     throw;
   } catch (const std::exception& e) {
     store_bind_address() = INADDR_NONE;
