@@ -342,7 +342,7 @@ TEST(CollectiveCheck, OffIssuesCollectivesAsAskedAndJoinSaysItNeedsTheCheck) {
 // A store that refuses the heartbeat for a while, then one that stalls it
 // (a write that does not return): the heartbeat goes on once it takes
 // writes again.
-TEST(CollectiveWatch, TheHeartbeatGoesOnAfterTheStoreRefusedOrStalledIt) {
+TEST(CollectiveWatch, TheHeartbeatGoesOnAfterTheStoreRefusedIt) {
   struct RefusingStore : c10d::HashStore {
     std::atomic<bool> refusing{false}, stalling{false};
     void set(const std::string& key, const std::vector<uint8_t>& value) override {

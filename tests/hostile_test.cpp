@@ -328,7 +328,7 @@ TEST_F(Hostile, ASecretThatCannotBeReadOrDiffersIsOneLine) {
 // at once in one line, none waiting out --timeout for a store that is gone
 // or a node that left. Issue 55: so do ranks of another launcher whose
 // secrets differ, or whose rank 0 alone cannot use its file.
-TEST_F(Hostile, ASecretThatDiffersOrCannotBeUsedEndsEveryRankAndNodeAtOnce) {
+TEST_F(Hostile, ASecretFileThatCannotBeUsedEndsEveryRankAndNodeAtOnce) {
   const std::string missing = "MNIST_DDP_SECRET_FILE=" + (dir_ / "no-such-file");
   const std::string refusal = "MNIST_DDP_SECRET_FILE=" + (dir_ / "no-such-file") + ": No such file or directory";
   const std::string cannot = " cannot use its MNIST_DDP_SECRET_FILE (missing, empty, unreadable or a directory there)";
