@@ -139,15 +139,17 @@ std::string rank_named(int rank) { return "rank " + std::to_string(rank); }
 
 // Which member of the ranks `said` names: rank r of `world_size` (any
 // while the ranks are not yet agreed: 0, or a node's local rank, -2),
-// else -1.
-int member_saying(const std::string& said, int world_size) {
-  const int r = secret_difference_of(said, "rank", rank_named(0));
+// else -1; `how`: how its secret stands.
+int member_saying(const std::string& said, int world_size, SecretStand& how) {
+  const int r = secret_difference_of(said, "rank", rank_named(0), &how);
   if (r > 0 && (world_size == 0 || r < world_size)) return r;
   int node = -1, local = -1;
   if (world_size == 0 && std::sscanf(said.c_str(), "node %d local rank %d", &node, &local) == 2 &&
       said == secret_difference("node " + std::to_string(node) + " local rank " + std::to_string(local), rank_named(0),
-                                SecretStand::unusable_file))
+                                SecretStand::unusable_file)) {
+    how = SecretStand::unusable_file;
     return -2;
+  }
   return -1;
 }
 
@@ -185,15 +187,15 @@ void compare_with_the_check(const StoreClient& root, const SecretKeys& keys, con
 void refused_secret(const StoreClient& root, const SecretKeys& keys, int world_size, bool host) {
   if (!root.check({keys.differs})) return;
   const std::string said = root.get(keys.differs);
-  if (member_saying(said, world_size) == -1) return;
+  SecretStand how = SecretStand::differs;
+  if (member_saying(said, world_size, how) == -1) return;
   // The store's host waits (5 s at most) until every rank, the one that
   // said it included, has ended over the word: its store ends with it.
   root.add(keys.ended, 1);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (host && root.add(keys.ended, 0) < world_size && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  const bool file = said.find("cannot use its MNIST_DDP_SECRET_FILE") != std::string::npos;
-  throw UsageError(said + ": " + secret_advice("rank", file ? SecretStand::unusable_file : SecretStand::differs));
+  throw UsageError(said + ": " + secret_advice("rank", how));
 }
 
 // The store the workers of this start meet in, and which start of the job

@@ -35,16 +35,20 @@ std::string secret_difference(const std::string& who, const std::string& first, 
   return who + " cannot use its MNIST_DDP_SECRET_FILE (missing, empty, unreadable or a directory there)";
 }
 
-int secret_difference_of(const std::string& said, const std::string& noun, const std::string& first) {
+int secret_difference_of(const std::string& said, const std::string& noun, const std::string& first,
+                         SecretStand* how) {
   const std::string start = noun + " ";
   if (said.rfind(start, 0) != 0) return -1;
   size_t end = start.size();
   while (end < said.size() && std::isdigit(static_cast<unsigned char>(said[end]))) ++end;
   if (end == start.size() || end - start.size() > 7) return -1;
   const std::string who = said.substr(0, end);
-  for (const SecretStand how :
+  for (const SecretStand stand :
        {SecretStand::none_here, SecretStand::none_there, SecretStand::differs, SecretStand::unusable_file})
-    if (said == secret_difference(who, first, how)) return std::stoi(said.substr(start.size(), end - start.size()));
+    if (said == secret_difference(who, first, stand)) {
+      if (how) *how = stand;
+      return std::stoi(said.substr(start.size(), end - start.size()));
+    }
   return -1;
 }
 

@@ -40,8 +40,10 @@ std::optional<SecretStand> stand_against(const std::string& secret, const std::s
 // against member `first`'s.
 std::string secret_difference(const std::string& who, const std::string& first, SecretStand how);
 // The member (`noun` and a number) a line of secret_difference() about
-// `first` names, or -1 where `said` is no such line.
-int secret_difference_of(const std::string& said, const std::string& noun, const std::string& first);
+// `first` names, or -1 where `said` is no such line; `how`, where given,
+// gets how it stands.
+int secret_difference_of(const std::string& said, const std::string& noun, const std::string& first,
+                         SecretStand* how = nullptr);
 // What to do about it, for a job of `noun`s ("node", "rank").
 std::string secret_advice(const std::string& noun, SecretStand how);
 
