@@ -430,8 +430,9 @@ TEST_F(Hostile, ASecretFileThatCannotBeUsedEndsEveryRankAndNodeAtOnce) {
 }
 
 // Issue 43: a neighbour opens the store's port and sends one byte while two
-// nodes meet. The store stalls; each node ends in one line and a non-zero
-// exit, never an abort.
+// nodes meet. The classic store stalls; each node ends in one line and a
+// non-zero exit, never an abort. libuv's loop serves the nodes meanwhile,
+// and the job trains to its end.
 TEST_F(Hostile, AOneByteNeighbourDuringTheRendezvousOfTwoNodesEndsEachInOneLine) {
   auto node = [&](int rank) { return node_of_two(rank, {"--epochs", "1", "--timeout", "4"}); };
   const std::vector<std::string> env = {"MNIST_DDP_SECRET=our job's own"};
@@ -442,6 +443,13 @@ TEST_F(Hostile, AOneByteNeighbourDuringTheRendezvousOfTwoNodesEndsEachInOneLine)
   Process node1(node(1), dir_ / "node1.txt", env);
   const int code0 = exit_code(node0.wait(60s)), code1 = exit_code(node1.wait(60s));
   close(neighbour);
+  if (store_kind() == "libuv") {
+    for (const auto& [code, out] : {std::pair{code0, read_text(dir_ / "node0.txt")}, std::pair{code1, read_text(dir_ / "node1.txt")}}) {
+      EXPECT_EQ(code, 0) << out;
+      EXPECT_EQ(error_lines(out), 0) << out;
+    }
+    return;
+  }
   for (const auto& [code, out] : {std::pair{code0, read_text(dir_ / "node0.txt")}, std::pair{code1, read_text(dir_ / "node1.txt")}}) {
     EXPECT_NE(code, 0) << out;
     EXPECT_NE(code, 134) << out;

@@ -141,7 +141,9 @@ TEST_F(Launchers, TorchrunsC10dRendezvousTrainsOneJobAcrossTwoAgentsAndRestarts)
   const std::string python = test::python_with_torchrun();
   if (python.empty()) GTEST_SKIP() << "no torchrun: install python3-torch (scripts/install_deps.sh test does)";
   const std::string straight = dir_ / "straight";
-  ASSERT_EQ(test::run(test::job(dir_ / "data", straight, "powersgd_fp16", {"--epochs", "1"}), dir_ / "straight.txt"), 0)
+  ASSERT_EQ(test::run(test::job(dir_ / "data", straight, "powersgd_fp16", {"--epochs", "1"}), dir_ / "straight.txt", 300s,
+                      {test::kOneThread}),
+            0)
       << read_text(dir_ / "straight.txt");
   const int kill_step = test::draw_kill_step();
   const std::string kills = "MNIST_DDP_KILL_AFTER_STEP=0:1:" + std::to_string(kill_step);
@@ -158,9 +160,9 @@ TEST_F(Launchers, TorchrunsC10dRendezvousTrainsOneJobAcrossTwoAgentsAndRestarts)
     worker_args.erase(nproc, nproc + 2);  // torchrun starts the workers
     args.push_back(MNIST_DDP_BINARY);
     args.insert(args.end(), worker_args.begin(), worker_args.end());
-    // One thread a worker, as the straight run's two workers on two cores.
+    // One thread a worker, as the straight run's (run_util.hpp).
     agents.push_back(std::make_unique<Process>(args, dir_ / ("agent" + std::to_string(node) + ".txt"),
-                                               std::vector<std::string>{kills, "OMP_NUM_THREADS=1"}, /*command=*/true));
+                                               std::vector<std::string>{kills, test::kOneThread}, /*command=*/true));
   }
   for (int node = 0; node < 2; ++node) {
     const std::string output = dir_ / ("agent" + std::to_string(node) + ".txt");

@@ -39,8 +39,10 @@ ProcessGroup join(int port, int round, std::chrono::milliseconds timeout) {
 }
 
 // One local process sent the first bytes of a request and nothing more:
-// LibTorch's store waits for the rest, serving nobody. The join ends
+// the classic store waits for the rest, serving nobody. The join ends
 // within its timeout, naming the store, instead of when the sender leaves.
+// libuv's loop (PyTorch's own builds of 2.x) serves the others meanwhile,
+// and the join goes through.
 TEST(Rendezvous, APartialRequestOnTheStoreEndsTheJoinWithinItsTimeout) {
   auto store = open_store("127.0.0.1", 0, /*host=*/true, 10s);
   const int port = static_cast<int>(store->getPort());
@@ -52,8 +54,9 @@ TEST(Rendezvous, APartialRequestOnTheStoreEndsTheJoinWithinItsTimeout) {
   const auto start = std::chrono::steady_clock::now();
   try {
     join(port, 0, 2s);
-    ADD_FAILURE() << "joined a stalled store";
+    EXPECT_EQ(store_kind(), "libuv") << "joined a stalled store";
   } catch (const StoreStalled& e) {
+    EXPECT_EQ(store_kind(), "classic") << "libuv's loop stalled on one client: " << e.what();
     // LibTorch 2.x's client asks the server at once: stalled while connecting.
     const std::string what = e.what();
     EXPECT_NE(what.find("the rendezvous store at 127.0.0.1:" + std::to_string(port)), std::string::npos) << what;

@@ -223,7 +223,7 @@ TEST(Torchrun, TwoWorkersTrainAsOneJobAndARestartEndsAsTheStraightRun) {
   TempDir dir;
   test::write_synthetic_mnist(dir / "data", 1024, 256);
   const std::string straight = dir / "straight", restarted = dir / "torchrun";
-  ASSERT_EQ(run(job(dir / "data", straight, "powersgd_fp16", {"--epochs", "1"}), dir / "out.txt"), 0)
+  ASSERT_EQ(run(job(dir / "data", straight, "powersgd_fp16", {"--epochs", "1"}), dir / "out.txt", 300s, {test::kOneThread}), 0)
       << read_text(dir / "out.txt");
 
   const int kill_step = test::draw_kill_step();
@@ -241,7 +241,7 @@ TEST(Torchrun, TwoWorkersTrainAsOneJobAndARestartEndsAsTheStraightRun) {
   const auto nproc = std::find(worker_args.begin(), worker_args.end(), "--nproc");
   worker_args.erase(nproc, nproc + 2);  // torchrun starts the workers
   args.insert(args.end(), worker_args.begin(), worker_args.end());
-  Process torchrun(args, dir / "torchrun.txt", {kills}, /*command=*/true);
+  Process torchrun(args, dir / "torchrun.txt", {kills, test::kOneThread}, /*command=*/true);
   const int status = torchrun.wait(300s);
   ASSERT_NE(status, -1) << "torchrun still running after 300 s:\n" << read_text(dir / "torchrun.txt");
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_text(dir / "torchrun.txt");

@@ -23,10 +23,11 @@ inline int exit_code(int status) {
   return status == -1 ? -1 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-// Runs the binary with `args` to its end (at most `limit`), its output into `output`.
+// Runs the binary with `args` (and `env` besides this process's) to its
+// end (at most `limit`), its output into `output`.
 inline int run(const std::vector<std::string>& args, const std::string& output,
-               std::chrono::seconds limit = std::chrono::seconds(300)) {
-  Process p(args, output);
+               std::chrono::seconds limit = std::chrono::seconds(300), const std::vector<std::string>& env = {}) {
+  Process p(args, output, env);
   return exit_code(p.wait(limit));
 }
 
@@ -59,6 +60,12 @@ inline void expect_same_end(const std::string& run, const std::string& straight)
   ASSERT_FALSE(last_test.empty());
   EXPECT_EQ(last_line_with(read_text(run + "/mnist_train.log"), "Test Epoch: "), last_test);
 }
+
+// torchrun gives each of several workers on a node one thread, and one
+// worker all the cores; our launcher gives each its share. A run compared
+// bit for bit with a torchrun job gets the same count as its workers: a
+// rank's sums are split, and rounded, by its thread count.
+inline const std::string kOneThread = "OMP_NUM_THREADS=1";
 
 // A Python with torch: Debian's python3-torch runs under /usr/bin/python3.
 inline std::string python_with_torch() {

@@ -321,6 +321,9 @@ class Launcher {
                               : "worker " + std::string(opts_.nnodes > 1 ? "local rank " : "rank ") +
                                     std::to_string(failure.index) + " (pid " + std::to_string(failure.pid) + ") " +
                                     describe_status(failure.status) + "; stopping the other workers";
+    // A store host at its descriptor limit takes no client: under libuv's
+    // loop its workers only time out, so this launcher says why.
+    if (opts_.node_rank == 0 && store_ && descriptors_spent()) failure_ = out_of_descriptors(failure_);
     // A restart follows unless the restarts are spent: the others' state is
     // not needed (the restart resumes from the checkpoint), nor their
     // seconds of finding out who is gone.

@@ -1,6 +1,7 @@
 #include "comm/store.hpp"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/resource.h>
@@ -95,6 +96,28 @@ void name_store(const std::string& addr, int port) {
   std::snprintf(g_store, sizeof g_store, "the rendezvous store at %s:%d", addr.c_str(), port);
 }
 
+}  // namespace
+
+std::string out_of_descriptors(const std::string& why) {
+  rlimit limit{};
+  getrlimit(RLIMIT_NOFILE, &limit);
+  return std::string(g_store) + " ran out of file descriptors (" + std::to_string(limit.rlim_cur) +
+         ", ulimit -n): too many connections to it from other processes; raise the limit or stop them (" + why + ")";
+}
+
+bool descriptors_spent() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return false;
+  DIR* fds = opendir("/proc/self/fd");
+  if (!fds) return errno == EMFILE || errno == ENFILE;
+  rlim_t open = 0;
+  while (readdir(fds)) ++open;  // with ".", ".." and the listing's own: 3 over
+  closedir(fds);
+  return open + 8 >= limit.rlim_cur;
+}
+
+namespace {
+
 // LibTorch's store lets an error escape a thread of its own: the server's
 // loop when it cannot accept a connection (out of descriptors), 1.13's
 // client listener when the server's end of the connection goes. One line
@@ -109,12 +132,9 @@ void name_store(const std::string& addr, int port) {
     why = error_line(e);
   } catch (...) {
   }
-  rlimit limit{};
-  getrlimit(RLIMIT_NOFILE, &limit);
   if (why.find("Too many open files") != std::string::npos || why.find("errno 24") != std::string::npos ||
       why.find("errno: 24") != std::string::npos)
-    why = std::string(g_store) + " ran out of file descriptors (" + std::to_string(limit.rlim_cur) +
-          ", ulimit -n): too many connections to it from other processes; raise the limit or stop them (" + why + ")";
+    why = out_of_descriptors(why);
   else if (why.find("reset by peer") != std::string::npos || why.find("Broken pipe") != std::string::npos)
     why = "lost " + std::string(g_store) + " (its host stopped, or dropped the connection): " + why;
   const std::string line = "mnist_ddp: error: " + why + "\n";

@@ -110,6 +110,14 @@ class StoreClient {
   std::shared_ptr<Stalls> stalls_;
 };
 
+// Whether this process holds (nearly) every file descriptor its soft limit
+// allows. A store host there takes no more clients: 1.13's and the classic
+// server loop end (one line, `out_of_descriptors`), libuv's closes each
+// client as it comes, so its workers only time out.
+bool descriptors_spent();
+// "<the store> ran out of file descriptors (N, ulimit -n): ... (<why>)".
+std::string out_of_descriptors(const std::string& why);
+
 // The store's server loop in this process: "libuv" where LibTorch has it
 // (2.x built with libuv), else "classic" (1.13, and Debian 13's 2.6).
 std::string store_kind();
