@@ -131,7 +131,8 @@ TEST(SharedMemory, ARankThatNeverArrivesIsNamedAfterTheTimeout) {
 
 // Rank 1 is a child process that maps the segment and exits; rank 0, in
 // this process, learns it within milliseconds, before its parent (this
-// process) has even reaped it.
+// process) has even reaped it. The pair is a new_group() of the job's
+// ranks 3 and 5, and is named so.
 TEST(SharedMemory, APeerWhoseProcessEndedIsNamedAtOnce) {
   test::TempDir dir;
   const std::string path = dir / "store";
@@ -147,9 +148,12 @@ TEST(SharedMemory, APeerWhoseProcessEndedIsNamedAtOnce) {
   }
   ASSERT_GT(child, 0);
   c10d::FileStore store(path, 2);
-  SharedMemoryReducer rank0(store, 0, 2, 60'000ms, store_barrier(store, 2));
+  RankNames names;
+  names.global = {3, 5};
+  names.group = "new_group 2 (ranks 3, 5)";
+  SharedMemoryReducer rank0(store, 0, 2, 60'000ms, store_barrier(store, 2), names);
   const Alone alone = sum_without_rank1(rank0);
-  EXPECT_EQ(alone.outcome, "peer lost: lost rank 1: its process ended during a collective");
+  EXPECT_EQ(alone.outcome, "peer lost: in new_group 2 (ranks 3, 5): lost rank 5: its process ended during a collective");
   EXPECT_LT(alone.took, 2s);
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);

@@ -61,7 +61,7 @@ std::shared_ptr<CollectiveStream> make_stream(GroupState& s, const std::string& 
   if (s.shared_memory && s.world_size > 1) {
     try {
       shared = std::make_unique<SharedMemoryReducer>(*prefixed, s.rank, s.world_size, s.timeout,
-                                                     [&] { group->barrier()->wait(); });
+                                                     [&] { group->barrier()->wait(); }, s.watch->names());
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {  // no /dev/shm, or no room in it: in the library's hierarchy

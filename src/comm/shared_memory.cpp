@@ -138,8 +138,9 @@ void add_in_order(at::Tensor out, const std::vector<at::Tensor>& parts) {
 }  // namespace
 
 SharedMemoryReducer::SharedMemoryReducer(c10d::Store& store, int rank, int world_size,
-                                         std::chrono::milliseconds timeout, const std::function<void()>& barrier)
-    : rank_(rank), world_size_(world_size), timeout_(timeout) {
+                                         std::chrono::milliseconds timeout, const std::function<void()>& barrier,
+                                         RankNames names)
+    : rank_(rank), world_size_(world_size), timeout_(timeout), names_(std::move(names)) {
   slot_bytes_ = std::clamp(kDataBudget / (2 * static_cast<size_t>(world_size)), kMinSlot, kMaxSlot) / kLine * kLine;
   size_ = data_offset(world_size) + 2 * static_cast<size_t>(world_size) * slot_bytes_;
   std::string name;
@@ -204,14 +205,12 @@ void SharedMemoryReducer::check_peers(uint64_t barrier, std::chrono::steady_cloc
   for (int r = 0; r < world_size_; ++r) {
     if (arrived(base_, r).load() >= barrier) continue;
     if (!running(pid_of(base_, world_size_, r).load()))
-      throw PeerLost("lost rank " + std::to_string(r) + ": its process ended during a collective");
+      throw PeerLost(names_.line("lost " + names_.rank(r) + ": its process ended during a collective"));
     missing.push_back(r);
   }
   if (std::chrono::steady_clock::now() < deadline || missing.empty()) return;
-  std::string who;
-  for (int r : missing) who += (who.empty() ? "" : ", ") + std::to_string(r);
-  throw Timeout("rank" + std::string(missing.size() > 1 ? "s " : " ") + who + " did not reach a collective within " +
-                std::to_string(timeout_.count() / 1000) + " s (--timeout)");
+  throw Timeout(names_.line(names_.list(missing) + " did not reach a collective within " +
+                            std::to_string(timeout_.count() / 1000) + " s (--timeout)"));
 }
 
 // Every rank enters barriers in the same sequence; barrier n is passed once

@@ -24,6 +24,8 @@
 #include <cstdint>
 #include <functional>
 
+#include "comm/watch.hpp"
+
 namespace mnist_ddp {
 
 class SharedMemoryReducer {
@@ -34,9 +36,10 @@ class SharedMemoryReducer {
   // it and then calls `barrier` (a barrier over the ranks, which must not use
   // this reducer); after it, rank 0 removes the name, so nothing is left in
   // /dev/shm whatever becomes of the job. Throws std::runtime_error with one
-  // line (no /dev/shm, or no room in it).
+  // line (no /dev/shm, or no room in it). `names` says the ranks as the
+  // job numbers them (a new_group()'s differ).
   SharedMemoryReducer(c10d::Store& store, int rank, int world_size, std::chrono::milliseconds timeout,
-                      const std::function<void()>& barrier);
+                      const std::function<void()>& barrier, RankNames names = {});
   ~SharedMemoryReducer();
   SharedMemoryReducer(const SharedMemoryReducer&) = delete;
   SharedMemoryReducer& operator=(const SharedMemoryReducer&) = delete;
@@ -59,6 +62,7 @@ class SharedMemoryReducer {
 
   const int rank_, world_size_;
   const std::chrono::milliseconds timeout_;
+  const RankNames names_;
   size_t slot_bytes_ = 0;  // what one rank puts in the segment at a time; larger tensors go in pieces
   size_t size_ = 0;       // of the mapping
   char* base_ = nullptr;  // the mapping
