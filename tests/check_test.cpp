@@ -188,9 +188,18 @@ TEST(CollectiveCheck, RanksThatDifferInOneThingOnlyAreNamedWhateverItIs) {
     }
 }
 
+// The collectives a lane issued and the checks it made.
+struct CountingProbe : StreamProbe {
+  std::atomic<int> collectives{0}, checks{0};
+  void issued(const std::string&) override { ++collectives; }
+  void checked() override { ++checks; }
+};
+
 // Checked alongside (as under NCCL), the collective is issued at once and
 // its check held to it when it completes: matched collectives give their
-// sums, and a mismatch is the same line, thrown by the rank's next wait.
+// sums, and a mismatch is the same line, thrown by the rank's next wait,
+// after the mismatched collective went out (checked before, it never
+// would).
 TEST(CollectiveCheck, ACheckAlongsideItsCollectiveFindsTheSameMismatch) {
   test::Ranks how;
   how.check = Check::alongside;
@@ -209,10 +218,13 @@ TEST(CollectiveCheck, ACheckAlongsideItsCollectiveFindsTheSameMismatch) {
   EXPECT_EQ(sums[1], 9.0);
   // Found as the check completes, in the background: one of the next
   // collectives' waits (within a second or so) throws it.
+  std::vector<std::shared_ptr<CountingProbe>> probes = {std::make_shared<CountingProbe>(),
+                                                         std::make_shared<CountingProbe>()};
   const Caught caught = catch_on_ranks(
       2,
-      [](ProcessGroup& group) {
+      [&](ProcessGroup& group) {
         auto t = torch::zeros({1000});
+        bulk_stream(group)->watch(probes[group.rank()]);
         bulk_stream(group)->allreduce_sum(t, group.rank() == 0 ? "the program's A" : "the program's B");
         for (int i = 0; i < 100; ++i) {
           bulk_stream(group)->allreduce_sum(t, "the program's next");
@@ -225,6 +237,10 @@ TEST(CollectiveCheck, ACheckAlongsideItsCollectiveFindsTheSameMismatch) {
                            "(docs/library.md, \"What is checked\")";
   EXPECT_EQ(caught.said[0], line);
   EXPECT_EQ(caught.said[1], line);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_GE(probes[r]->checks, 1) << "rank " << r;
+    EXPECT_GE(probes[r]->collectives, 1) << "rank " << r << ": the mismatched collective was not issued";
+  }
 }
 
 // Ranks waiting on two lanes at once are no evidence of a mistake (two
@@ -462,11 +478,6 @@ TEST(Join, UnevenInputsOnThreeRanksEndAsOneProcessApplyingTheSameAverages) {
 // of the rest follow from it and from what the ranks agreed. A program's own
 // hook, a subclass of ours included, has every collective checked.
 TEST(CollectiveCheck, AHookOfOursIsCheckedOnceABucketAProgramsHookAtEveryCollective) {
-  struct Counter : StreamProbe {
-    std::atomic<int> collectives{0}, checks{0};
-    void issued(const std::string&) override { ++collectives; }
-    void checked() override { ++checks; }
-  };
   struct Mine : hooks::PowerSgdHook {
     using PowerSgdHook::PowerSgdHook;
   };
@@ -486,7 +497,7 @@ TEST(CollectiveCheck, AHookOfOursIsCheckedOnceABucketAProgramsHookAtEveryCollect
                                   : hooks::CommHookPtr(std::make_shared<Mine>(options)));
       const auto x = torch::ones({4, 16}) * (group.rank() + 1);
       ddp.forward(x).sum().backward();  // the first: the hooks' agreement
-      auto counter = std::make_shared<Counter>();
+      auto counter = std::make_shared<CountingProbe>();
       bulk_stream(group)->watch(counter);
       ddp.forward(x).sum().backward();
       bulk_stream(group)->watch(nullptr);
