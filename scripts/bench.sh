@@ -38,15 +38,21 @@ while [ "$#" -gt 0 ]; do
   esac
 done
 bash scripts/install_deps.sh test >/dev/null  # mnist_ddp_bench is built beside the tests; PyTorch for its Python DDP
-bash scripts/fetch_data.sh fashion-mnist >/dev/null
 bash scripts/build.sh --target mnist_ddp --target mnist_ddp_bench >/dev/null
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 facts="$out/facts"
 at_most() { echo $(($1 < steps ? $1 : steps)); }
 limit_steps=$(at_most 200)
-epoch=()  # one full epoch, or 3 x --steps of one when --steps is below the protocol's 300
-[ "$steps" -ge 300 ] || { epoch=(--max-steps $((3 * steps))); echo "partial_epoch=yes" >>"$facts"; }
+# One full epoch and the whole test set, or, when --steps is below the
+# protocol's 300, 3 x --steps of one and the test set's first 1,000 images.
+epoch=() data_dir=data
+bash scripts/fetch_data.sh fashion-mnist >/dev/null
+if [ "$steps" -lt 300 ]; then
+  epoch=(--max-steps $((3 * steps))) data_dir="$out/data"
+  bash scripts/fetch_data.sh fashion-mnist "$data_dir" 1000 >/dev/null
+  echo "partial_epoch=yes" >>"$facts"
+fi
 slope_short=$((steps * 40 / 300 > 4 ? steps * 40 / 300 : 4))
 slope_long=$((slope_short + (steps * 200 / 300 > 20 ? steps * 200 / 300 : 20)))
 bench=./build/tests/mnist_ddp_bench
@@ -71,12 +77,12 @@ if [ -z "${gpu[*]}" ]; then
 fi
 
 echo "bench: the five hooks, $rounds round(s) of $steps steps" >&2
-bash scripts/bench_hooks.sh --steps "$steps" --rounds "$rounds" --keep "$out/hooks" "${gpu[@]}" >/dev/null
+bash scripts/bench_hooks.sh --steps "$steps" --rounds "$rounds" --keep "$out/hooks" --data-dir "$data_dir" "${gpu[@]}" >/dev/null
 
 for hook in none powersgd_fp16; do
   echo "bench: one epoch with $hook${epoch[*]:+ (${epoch[*]})}" >&2
   start=$(date +%s%N)
-  if ! ./build/mnist_ddp "${placement[@]}" --dataset fashion-mnist --epochs 1 "${epoch[@]}" --compression "$hook" \
+  if ! ./build/mnist_ddp "${placement[@]}" --dataset fashion-mnist --data-dir "$data_dir" --epochs 1 "${epoch[@]}" --compression "$hook" \
       --start-powersgd-iter 10 --checkpoint-every 0 --path "$out/e2e-$hook" >"$out/e2e-$hook.txt" 2>&1; then
     echo "bench: the one-epoch $hook run failed:" >&2
     tail -n 5 "$out/e2e-$hook.txt" >&2
@@ -109,7 +115,7 @@ for round in $(seq 1 "$rounds"); do
             where=(--backend gloo --nproc 1) threads=(OMP_NUM_THREADS=$(($(nproc) / 2 > 0 ? $(nproc) / 2 : 1)))
             [ -n "${gpu[*]}" ] && where=(--backend nccl --gpus 0)
           fi
-          env "${threads[@]}" ./build/mnist_ddp "${where[@]}" --dataset fashion-mnist --epochs 1 --max-steps "$steps_now" \
+          env "${threads[@]}" ./build/mnist_ddp "${where[@]}" --dataset fashion-mnist --data-dir "$data_dir" --epochs 1 --max-steps "$steps_now" \
             --compression none --checkpoint-every 0 --log-interval 1000 --path "$out/slope" >"$out/slope.txt" 2>&1 ;;
         python_ddp)
           "$python" scripts/python_ddp.py --steps "$steps_now" --dataset fashion-mnist ${gpu[*]:+--cuda} \

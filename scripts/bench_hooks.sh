@@ -7,16 +7,17 @@
 # PowerSGD compressing from step 10. Prints one table; a step of
 # --accumulate 2 takes twice the images, so compare images/s.
 #
-#   bash scripts/bench_hooks.sh [--steps 300] [--rounds 3] [--keep DIR] [--gpu] [--against BINARY]
+#   bash scripts/bench_hooks.sh [--steps 300] [--rounds 3] [--keep DIR] [--gpu] [--against BINARY] [--data-dir DIR]
 #
 # The rows run in turn, --rounds times over, and each figure is the median
 # of its rounds: on a shared 2-core machine a single run is noisy. --keep
 # leaves each run's --path (log and metrics.csv) in DIR/<row>.<round>.
 # --against BINARY runs another mnist_ddp (an older build) right after each
 # of this build's runs and prints its table too: a before/after in one run.
+# --data-dir: where Fashion-MNIST is (default data/, fetched there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-steps=300 rounds=3 keep="" placement=(--backend gloo --nproc 2) against=""
+steps=300 rounds=3 keep="" placement=(--backend gloo --nproc 2) against="" data_dir=data
 while [ "$#" -gt 0 ]; do
   case "$1" in
     --steps) steps="$2"; shift 2 ;;
@@ -24,11 +25,12 @@ while [ "$#" -gt 0 ]; do
     --keep) keep="$2"; shift 2 ;;
     --gpu) placement=(--backend nccl); shift ;;
     --against) against="$2"; shift 2 ;;
-    *) echo "usage: bash scripts/bench_hooks.sh [--steps N] [--rounds R] [--keep DIR] [--gpu] [--against BINARY]" >&2; exit 2 ;;
+    --data-dir) data_dir="$2"; shift 2 ;;
+    *) echo "usage: bash scripts/bench_hooks.sh [--steps N] [--rounds R] [--keep DIR] [--gpu] [--against BINARY] [--data-dir DIR]" >&2; exit 2 ;;
   esac
 done
 bash scripts/install_deps.sh build >/dev/null
-bash scripts/fetch_data.sh fashion-mnist >/dev/null
+bash scripts/fetch_data.sh fashion-mnist "$data_dir" >/dev/null
 bash scripts/build.sh --target mnist_ddp >/dev/null
 
 out="$keep"
@@ -41,7 +43,7 @@ mkdir -p "$out"
 runs=() others=()
 # bench BINARY DIR HOOK [FLAGS...]: one run, its --path DIR.
 bench() {
-  if ! "$1" "${placement[@]}" --dataset fashion-mnist --epochs 1 --max-steps "$steps" \
+  if ! "$1" "${placement[@]}" --dataset fashion-mnist --data-dir "$data_dir" --epochs 1 --max-steps "$steps" \
       --start-powersgd-iter 10 --compression "$3" --log-interval 50 --checkpoint-every 0 \
       --path "$2" "${@:4}" >"$2.txt" 2>&1; then
     echo "bench_hooks: the ${*:3} run of $1 failed:" >&2

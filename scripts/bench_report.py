@@ -160,7 +160,7 @@ def bench_table(facts_path, json_path, run_dirs):
               f"| {int(r['bytes_per_step']):,} | {100 * r['vs_none']:.0f}% | {r['scaling_efficiency']:.2f} "
               f"| {r['top1']:.2f}% |")
     for name, r in ends.items():
-        span = "one full epoch" if "partial_epoch" not in facts else f"{int(r['steps'])} steps of an epoch"
+        span = "one full epoch" if "partial_epoch" not in facts else f"{int(r['steps'])} steps of an epoch, 1,000 test images"
         print(f"| {span}, {name}: "
               f"{r['wall_s']:.1f} s from launch (startup {r['startup_s']:.2f} s) "
               f"| {r['images_per_s']:.0f} | {r['ms_per_step']:.1f} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} "

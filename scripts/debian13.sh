@@ -5,9 +5,11 @@
 #   bash scripts/debian13.sh cpu  [COMMAND...]   # libtorch-dev 2.6 (CPU, Gloo)
 #   bash scripts/debian13.sh cuda [COMMAND...]   # libtorch-cuda-dev 2.6, CUDA 12.4, NCCL 2.22 (no GPU needed)
 #
-# CI runs the cpu leg's whole suite, and in the cuda leg the build and the
-# tests whose outcome a CUDA LibTorch can change on a machine without a GPU:
+# CI runs in the cuda leg the build and the tests whose outcome a CUDA
+# LibTorch can change on a machine without a GPU, and in the cpu leg the
+# rest of the suite, so that each test meets LibTorch 2.6 once:
 #   bash scripts/debian13.sh cuda bash scripts/test.sh -L 'unit|cuda|scripts|package'
+#   bash scripts/debian13.sh cpu bash scripts/test.sh -LE 'slow|unit|cuda|scripts|package'
 #
 # COMMAND (default: bash scripts/test.sh) runs as root in a copy of the
 # checkout at /root/mnist_ddp inside the chroot; its build/ is kept between

