@@ -272,12 +272,6 @@ Ran run_mistake(const std::string& name, int timeout_s = 10, int nproc = 2) {
   return test::run_program("MistakeProgram.Run", {"MNIST_DDP_TEST_MISTAKE=" + name}, timeout_s, 60s, nullptr, nproc);
 }
 
-size_t count(const std::string& text, const std::string& piece) {
-  size_t n = 0;
-  for (size_t at = text.find(piece); at != std::string::npos; at = text.find(piece, at + 1)) ++n;
-  return n;
-}
-
 // The line each rank's program caught, "" where it caught none.
 std::vector<std::string> caught(const std::string& output) {
   std::vector<std::string> lines;
@@ -337,7 +331,7 @@ TEST(Mistakes, UnevenInputsAreNamedWithJoinAsTheAdviceAndJoinEndsThemWell) {
                              "uneven");
   const Ran joined = run_mistake("uneven-joined");
   EXPECT_EQ(joined.code, 0) << joined.output;
-  EXPECT_EQ(count(joined.output, "trained and joined, replicas identical"), 2u) << joined.output;
+  EXPECT_EQ(test::count_of(joined.output, "trained and joined, replicas identical"), 2u) << joined.output;
 }
 
 // The case ended with exit 1 within 10 s, a rank having caught `line`.
@@ -377,8 +371,8 @@ TEST(Mistakes, AMismatchAmongWorksNobodyWaitsOnIsNamed) {
   const Ran ran = run_mistake("unwaited-works");
   EXPECT_EQ(ran.code, 1) << ran.output;
   EXPECT_LT(ran.seconds, 10 * test::kSlower) << ran.output;
-  EXPECT_EQ(count(ran.output, "a collective nobody waited for"), 2u) << ran.output;
-  EXPECT_EQ(count(ran.output, "rank 0 is in the program's own allreduce_sum (allreduce, 4 float32); rank 1 is in the "
+  EXPECT_EQ(test::count_of(ran.output, "a collective nobody waited for"), 2u) << ran.output;
+  EXPECT_EQ(test::count_of(ran.output, "rank 0 is in the program's own allreduce_sum (allreduce, 4 float32); rank 1 is in the "
                               "program's own broadcast (broadcast, 4 float32, from rank 0)"),
             2u)
       << ran.output;
@@ -455,7 +449,7 @@ TEST(Mistakes, ARankThatLostAPeerTooIsNotNamedAsTheCause) {
 
 TEST(Mistakes, InitProcessGroupTwiceReturnsTheGroupOrRefusesOtherOptions) {
   const Ran ran = run_mistake("init-twice");
-  EXPECT_EQ(count(ran.output, "the second call returned the first group"), 2u) << ran.output;
+  EXPECT_EQ(test::count_of(ran.output, "the second call returned the first group"), 2u) << ran.output;
   expect_named_on_every_rank(ran,
                              {"init_process_group: called a second time, asking for backend nccl (the group's is "
                               "gloo); a process joins its job once: call it once and pass the group on"},
@@ -465,13 +459,13 @@ TEST(Mistakes, InitProcessGroupTwiceReturnsTheGroupOrRefusesOtherOptions) {
 TEST(Mistakes, Bfloat16ParametersTrain) {
   const Ran ran = run_mistake("bfloat16");
   EXPECT_EQ(ran.code, 0) << ran.output;
-  EXPECT_EQ(count(ran.output, "bfloat16 parameters trained, replicas identical"), 2u) << ran.output;
+  EXPECT_EQ(test::count_of(ran.output, "bfloat16 parameters trained, replicas identical"), 2u) << ran.output;
 }
 
 TEST(Mistakes, TheProgramsGroupTakesTheLaunchersTimeout) {
   const Ran ran = run_mistake("timeout");
   EXPECT_EQ(ran.code, 0) << ran.output;
-  EXPECT_EQ(count(ran.output, "timeout 10000 ms"), 2u) << ran.output;
+  EXPECT_EQ(test::count_of(ran.output, "timeout 10000 ms"), 2u) << ran.output;
 }
 
 }  // namespace

@@ -728,10 +728,26 @@ TEST(PyTorchDdp, SameLayoutAndTheDefaultGroup) {
 namespace mnist_ddp {
 namespace pytorch_behaviours {
 
+// After shutdown(), each rank forms the job's group anew (PyTorch's
+// destroy_process_group() and init_process_group()) and trains on it.
+void form_anew() {
+  auto group = init_process_group();
+  auto t = torch::full({3}, group.rank() + 1.0);
+  group.allreduce_sum(t);
+  auto model = std::make_shared<torch::nn::LinearImpl>(4, 2);
+  DistributedDataParallel ddp(model, group);
+  ddp(torch::ones({2, 4}) * (group.rank() + 1)).sum().backward();
+  default_process_group()->barrier();  // the new group (the old one refuses)
+  test::write_line("formed anew: sum " + std::to_string(t[0].item<int>()) + ", gradient " +
+                   std::to_string(model->weight.grad()[0][0].item<int>()));
+}
+
 // Rank 1 goes silent (alive, issuing nothing) while rank 0's collective
 // waits for it: rank 0 shuts its group down, sees the wait end and what
 // follows refused, and returns from its program through the destructors
-// of its DDP and group, which wait for nothing.
+// of its DDP and group, which wait for nothing. Then rank 1 shuts its
+// group down too, and both form the job's group anew: rank 0 with every
+// handle to the first gone, rank 1 holding one.
 TEST(PyTorchDdpProgram, Run) {
   const char* done = std::getenv("MNIST_DDP_TEST_SHUTDOWN");
   if (!done) GTEST_SKIP() << "the program of PyTorchDdp.AShutDownGroup*, run by it";
@@ -742,6 +758,8 @@ TEST(PyTorchDdpProgram, Run) {
     group.barrier();
     if (group.rank() == 1) {  // alive and silent (as a hung peer) until rank 0 has returned
       for (int i = 0; i < 300 && !test::is_regular_file(done); ++i) std::this_thread::sleep_for(100ms);
+      group.shutdown();
+      form_anew();
       _exit(0);
     }
     auto t = torch::zeros({1000});
@@ -761,6 +779,7 @@ TEST(PyTorchDdpProgram, Run) {
   }
   test::write_line("returned through the destructors");
   std::ofstream(done) << "done\n";
+  form_anew();
   _exit(0);
 }
 
@@ -779,6 +798,9 @@ TEST(PyTorchDdp, AShutDownGroupLetsAProgramReturnAfterAPeerIsLost) {
             std::string::npos)
       << ran.output;
   EXPECT_NE(ran.output.find("returned through the destructors"), std::string::npos) << ran.output;
+  // Both ranks: (1 + 2) summed; d(sum of outputs)/d(weight) of two rows of
+  // ones times (rank + 1), averaged: (2 + 4) / 2.
+  EXPECT_EQ(test::count_of(ran.output, "formed anew: sum 3, gradient 3"), 2u) << ran.output;
   EXPECT_LT(ran.seconds, 30 * test::kSlower) << "a wait outlived shutdown() (the timeout is 60 s)\n" << ran.output;
 }
 

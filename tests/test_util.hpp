@@ -556,6 +556,13 @@ inline Ran run_program(const std::string& program, const std::vector<std::string
   return ran;
 }
 
+// How many times `piece` occurs in `text`.
+inline size_t count_of(const std::string& text, const std::string& piece) {
+  size_t n = 0;
+  for (size_t at = text.find(piece); at != std::string::npos; at = text.find(piece, at + 1)) ++n;
+  return n;
+}
+
 // Polls `done` every 20 ms until it holds or `limit` passes.
 inline bool eventually(const std::function<bool()>& done, std::chrono::milliseconds limit) {
   const auto deadline = std::chrono::steady_clock::now() + limit;

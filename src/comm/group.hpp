@@ -40,7 +40,7 @@ struct ProcessGroup::State {
   std::vector<std::weak_ptr<CollectiveStream>> streams;  // every stream made, for ddp.join()
   int streams_made = 0;           // by new_stream(), for their store prefixes
   std::shared_ptr<std::atomic<int>> models = std::make_shared<std::atomic<int>>(0);  // DistributedDataParallels built over it
-  bool shut_down = false;  // ProcessGroup::shutdown()
+  std::atomic<bool> shut_down{false};  // ProcessGroup::shutdown()
   int groups_made = 0;     // by new_group(), for their store prefixes
   // A view (view_of()): the group it shows through streams of its own;
   // what a view asks of the group as a whole (its streams, its count of

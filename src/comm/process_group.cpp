@@ -255,15 +255,14 @@ ProcessGroup made_default(ProcessGroup group, const std::shared_ptr<GroupState>&
 }
 
 // A second init_process_group(): the group of the first, where the options
-// ask for nothing else; nullopt for the first. A process joins its job
-// once: its launcher's rendezvous has moved on.
+// ask for nothing else; nullopt for the first, and once that group was shut
+// down or let go (PyTorch's destroy_process_group()): the job's group is
+// then formed anew.
 std::optional<ProcessGroup> joined_before(const ProcessGroupOptions& options) {
   std::lock_guard<std::mutex> lock(g_default_mutex);
   if (!g_joined) return std::nullopt;
   const auto state = g_default.lock();
-  if (!state)
-    throw UsageError("init_process_group: called again after every handle to the first group was gone; a process "
-                     "joins its job once: keep the first group and pass it on");
+  if (!state || state->shut_down) return std::nullopt;
   std::string other;
   if (options.backend() != "auto" && options.backend() != state->backend)
     other = "backend " + options.backend() + " (the group's is " + state->backend + ")";
@@ -348,26 +347,33 @@ ProcessGroup make_process_group(StorePtr store, int rank, int world_size, const 
                                 shared_memory, gloo_address, check));
 }
 
-ProcessGroup init_process_group(const WorkerEnv& launched, const ProcessGroupOptions& options) {
-  WorkerEnv env = launched;
-  resolve_store_address(env, options.master_addr(), !options.master_addr().empty(), options.master_port(),
-                        options.master_port() > 0);
+namespace {
+
+// The job's group over `job`'s store, from `env` resolved against the
+// options. `formed` > 0: the job's group formed anew (after shutdown(), or
+// once every handle to the last one went), its keys under "formed/<n>/" and
+// its ranks the first forming's (`plan`).
+ProcessGroup join(const WorkerEnv& env, const JobStore& job, const ProcessGroupOptions& options, int formed,
+                  std::optional<RankPlan>& plan) {
   const torch::Device device = device_for(env, options);
   const Backend& backend = backend_for(env, options, device);
   const auto timeout = timeout_for(env, options);
   use_device(device);
-  const JobStore job = open_job_store(env, timeout);
-  const StorePtr& store = job.store;
+  auto keys = [formed](const StorePtr& store) -> StorePtr {
+    if (formed == 0) return store;
+    return c10::make_intrusive<c10d::PrefixStore>("formed/" + std::to_string(formed), store);
+  };
+  const StorePtr store = keys(job.store);
   const std::string where = "the rendezvous store at " + env.master_addr + ":" + std::to_string(env.master_port);
-  const StoreClient client(store, timeout, where), root(job.root, timeout, where);
+  const StoreClient client(store, timeout, where), root(keys(job.root), timeout, where);
   // Under our launcher no worker reads a secret file (the launcher did).
   auto refused = [&](int ranks) {
     return env.ours() ? std::function<void()>()
                       : [&root, &job, ranks] { refused_secret(root, job.secret_keys, ranks, job.hosted); };
   };
-  const RankPlan plan = env.rank < 0 ? agree_on_ranks(client, env, timeout, refused(0))
-                                     : RankPlan{env.rank, env.world_size, {}};
-  const int rank = plan.rank, world_size = plan.world_size;
+  if (!plan)
+    plan = env.rank < 0 ? agree_on_ranks(client, env, timeout, refused(0)) : RankPlan{env.rank, env.world_size, {}};
+  const int rank = plan->rank, world_size = plan->world_size;
   check_settings(client, rank, world_size, options.settings(), timeout, refused(world_size));
   // A CPU job on one host sums through shared memory (shared_memory.hpp).
   const bool one_host = world_size == env.local_world_size;
@@ -377,28 +383,66 @@ ProcessGroup init_process_group(const WorkerEnv& launched, const ProcessGroupOpt
   state->local_rank = env.local_rank;
   state->local_world_size = env.local_world_size;
   state->launcher = env.launcher;
-  state->node_of_rank = plan.node_of_rank;
-  return made_default(GroupAccess::make(state), state);
+  state->node_of_rank = plan->node_of_rank;
+  return GroupAccess::make(state);
 }
 
-namespace {
+WorkerEnv resolved(const WorkerEnv& launched, const ProcessGroupOptions& options) {
+  WorkerEnv env = launched;
+  resolve_store_address(env, options.master_addr(), !options.master_addr().empty(), options.master_port(),
+                        options.master_port() > 0);
+  return env;
+}
 
-ProcessGroup join_or_stay_alone(const ProcessGroupOptions& options) {
-  const Environment environment = read_environment();
-  std::optional<WorkerEnv> worker = launched_worker(environment);
-  if (!worker) worker = pod_worker(environment);
-  if (worker) return init_process_group(*worker, options);
-  // Alone: a world of 1, over a store of its own.
+// The job this process joined through init_process_group(options): kept
+// (never freed) so that its group can be formed anew over the same store,
+// which so outlives every group (a store this rank hosts stays up for the
+// ranks still on it). Guarded by init_process_group's mutex.
+struct Joined {
+  WorkerEnv env;  // resolved; world_size 0: a world of 1
+  JobStore job;
+  std::optional<RankPlan> plan;
+  int formed = 0;
+};
+Joined* g_job = nullptr;
+
+ProcessGroup alone(const ProcessGroupOptions& options) {
   WorkerEnv alone;
   alone.rank = 0;
   alone.world_size = 1;
   const torch::Device device = device_for(alone, options);
   auto state = form(c10::make_intrusive<c10d::HashStore>(), 0, 1, backend_for(alone, options, device), device,
                     timeout_for(alone, options), false, "127.0.0.1", std::nullopt);
-  return made_default(GroupAccess::make(state), state);
+  return GroupAccess::make(state);
+}
+
+ProcessGroup join_or_stay_alone(const ProcessGroupOptions& options) {
+  if (g_job) {  // forming anew
+    if (g_job->env.world_size == 0) return alone(options);
+    return join(g_job->env, g_job->job, options, ++g_job->formed, g_job->plan);
+  }
+  const Environment environment = read_environment();
+  std::optional<WorkerEnv> worker = launched_worker(environment);
+  if (!worker) worker = pod_worker(environment);
+  if (!worker) {
+    g_job = new Joined{};
+    return alone(options);
+  }
+  const WorkerEnv env = resolved(*worker, options);
+  auto job = std::make_unique<Joined>(Joined{env, open_job_store(env, timeout_for(env, options)), std::nullopt, 0});
+  ProcessGroup group = join(job->env, job->job, options, 0, job->plan);
+  g_job = job.release();
+  return group;
 }
 
 }  // namespace
+
+ProcessGroup init_process_group(const WorkerEnv& launched, const ProcessGroupOptions& options) {
+  const WorkerEnv env = resolved(launched, options);
+  std::optional<RankPlan> plan;
+  ProcessGroup group = join(env, open_job_store(env, timeout_for(env, options)), options, 0, plan);
+  return made_default(group, GroupAccess::share(group));
+}
 
 ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   // One join a process: a thread that calls while another joins waits for
@@ -410,6 +454,7 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
     ProcessGroup group = join_or_stay_alone(options);
     std::lock_guard<std::mutex> lock(g_default_mutex);
     g_joined = true;
+    g_default = GroupAccess::share(group);
     return group;
   } catch (const Error&) {
     throw;

@@ -149,7 +149,8 @@ class ProcessGroup {
   // collective still waiting (on a peer that is gone, or will not come)
   // fails at once with PeerLost, later ones are refused, and destroying the
   // group (or a DDP over it) waits for nothing. For a program that caught
-  // a PeerLost or a Timeout and then returns from main() normally.
+  // a PeerLost or a Timeout and then returns from main() normally, or
+  // forms the job's group anew (init_process_group()).
   void shutdown() const;
 
   // The group's state, the library's own: an incomplete type to a program.
@@ -162,10 +163,12 @@ class ProcessGroup {
 };
 
 // Joins the job the launcher that started this process describes, or forms
-// a world of 1 when none did. The first group a process forms becomes its
-// default (default_process_group()); a second call returns that group when
-// `options` ask for nothing it does not have, and throws UsageError naming
-// the difference otherwise. Throws UsageError for an environment or options
+// a world of 1 when none did. The group becomes the process's default
+// (default_process_group()); a second call returns it when `options` ask
+// for nothing it does not have, and throws UsageError naming the difference
+// otherwise. Once it was shut down, or every handle to it is gone (PyTorch's
+// destroy_process_group()), a call forms the job's group anew, with the same
+// ranks over the same store: every rank calls it as often. Throws UsageError for an environment or options
 // that cannot work, Timeout for a rank or store that does not answer within
 // the timeout, PeerLost when the store's host went away, and Error with a
 // one-line reason otherwise (port in use, a setting that differs).
