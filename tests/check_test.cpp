@@ -23,24 +23,6 @@ using namespace std::chrono_literals;
 using test::run_ranks;
 using test::Sums;
 
-// A group's only DDP is "the" DDP; once it has several, each is named by
-// its place, the first too (issue 55: never "DDP bucket 0" beside "the
-// second DDP's bucket 0").
-TEST(CollectiveCheck, ADdpAmongSeveralIsNamedByItsPlace) {
-  const auto models = std::make_shared<std::atomic<int>>(1);
-  const DdpNames first(0, models), second(1, models);
-  EXPECT_EQ(first.bucket(3).text, "DDP bucket 3's backward");
-  EXPECT_EQ(first.issuer(kBuffers, "DistributedDataParallel's buffers").text, "DistributedDataParallel's buffers");
-  *models = 2;
-  EXPECT_EQ(first.bucket(3).text, "the first DDP's bucket 3's backward");
-  EXPECT_EQ(second.bucket(3).text, "the second DDP's bucket 3's backward");
-  EXPECT_EQ(first.issuer(kBuffers, "DistributedDataParallel's buffers").text, "the first DistributedDataParallel's buffers");
-  EXPECT_EQ(second.issuer(kReplicaCheck, "the replica check").text, "the second DistributedDataParallel's replica check");
-  EXPECT_EQ(second.issuer(kHookAgreement, "register_comm_hook").text,
-            "the second DistributedDataParallel's register_comm_hook");
-  EXPECT_EQ(DdpNames(11, models).bucket(0).text, "the 12th DDP's bucket 0's backward");
-}
-
 // Ranks that issue different collectives on one lane: each learns at once
 // what every rank was about to issue, and says so in the same line, through
 // Gloo and through shared memory.
@@ -132,6 +114,42 @@ test::Ranks summing(Sums sums) {
   test::Ranks how;
   how.sums = sums;
   return how;
+}
+
+// A group's only DDP is "the" DDP; once it has several, each is named by
+// its place, the first too (issue 55: never "DDP bucket 0" beside "the
+// second DDP's bucket 0").
+TEST(CollectiveCheck, ADdpAmongSeveralIsNamedByItsPlace) {
+  const auto models = std::make_shared<std::atomic<int>>(1);
+  const DdpNames first(0, models), second(1, models);
+  EXPECT_EQ(first.bucket(3).text, "DDP bucket 3's backward");
+  EXPECT_EQ(first.issuer(kBuffers, "DistributedDataParallel's buffers").text, "DistributedDataParallel's buffers");
+  *models = 2;
+  EXPECT_EQ(first.bucket(3).text, "the first DDP's bucket 3's backward");
+  EXPECT_EQ(second.bucket(3).text, "the second DDP's bucket 3's backward");
+  EXPECT_EQ(first.issuer(kBuffers, "DistributedDataParallel's buffers").text, "the first DistributedDataParallel's buffers");
+  EXPECT_EQ(second.issuer(kReplicaCheck, "the replica check").text, "the second DistributedDataParallel's replica check");
+  EXPECT_EQ(second.issuer(kHookAgreement, "register_comm_hook").text,
+            "the second DistributedDataParallel's register_comm_hook");
+  EXPECT_EQ(DdpNames(11, models).bucket(0).text, "the 12th DDP's bucket 0's backward");
+
+  // Rank 0 has built its second DDP, rank 1 not yet: their words for the
+  // first one's bucket differ, and the check still sees one collective;
+  // the second DDP's bucket is another.
+  use_library_advice();
+  const auto alone = std::make_shared<std::atomic<int>>(1);
+  const Caught caught = catch_on_ranks(
+      2,
+      [&](ProcessGroup& group) {
+        auto bucket = torch::zeros({1000});
+        bulk_stream(group)->allreduce_sum(bucket, DdpNames(0, group.rank() == 0 ? models : alone).bucket(3));
+        bulk_stream(group)->allreduce_sum(bucket, DdpNames(group.rank(), models).bucket(3));
+      },
+      summing(Sums::gloo));
+  EXPECT_EQ(caught.said[0], caught.said[1]);
+  EXPECT_EQ(caught.said[0], "rank 0 is in the first DDP's bucket 3's backward (allreduce, 1000 float32); rank 1 is in "
+                            "the second DDP's bucket 3's backward (allreduce, 1000 float32): every rank must build the "
+                            "same model and register the same communication hook");
 }
 
 // Two ranks that differ in one thing only (the count, the dtype, the

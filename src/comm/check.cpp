@@ -146,14 +146,16 @@ Channel::Described Channel::describe(Op op, const torch::Tensor& tensor, int roo
   d.root = root;
   d.tag = tag_;
   d.inlined = inlined;
-  d.what = issuer_.text + " (" + op_name(op);
+  std::string operation = std::string(" (") + op_name(op);
   if (tensor.defined())
-    d.what += ", " + std::to_string(tensor.numel()) + (tensor.is_sparse() ? " sparse " : " ") +
-              dtype_name(tensor.scalar_type());
-  if (op == Op::broadcast) d.what += ", from " + names().rank(root == kAuthority ? 0 : root);
-  d.what += ")";
-  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a, over the words and the tag
-  for (const unsigned char c : d.what + "#" + std::to_string(d.tag)) h = (h ^ c) * 0x100000001b3ull;
+    operation += ", " + std::to_string(tensor.numel()) + (tensor.is_sparse() ? " sparse " : " ") +
+                 dtype_name(tensor.scalar_type());
+  if (op == Op::broadcast) operation += ", from " + names().rank(root == kAuthority ? 0 : root);
+  operation += ")";
+  d.what = issuer_.text + operation;
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a, over the issuer's key, the operation and the tag
+  const std::string& key = issuer_.key.empty() ? issuer_.text : issuer_.key;
+  for (const unsigned char c : key + operation + "#" + std::to_string(d.tag)) h = (h ^ c) * 0x100000001b3ull;
   for (int i = 0; i < kPieces; ++i) d.pieces[i] = static_cast<int64_t>((h >> (16 * i)) & 0xffff);
   return d;
 }

@@ -25,6 +25,10 @@ struct Issuer {
   int index = -1;
   // "DDP bucket 0's backward", "the program's own barrier".
   std::string text;
+  // What every rank's issuer of this collective must agree on where its
+  // text may differ between ranks ("the first DDP's" once a rank has built
+  // a second, while another has not yet); empty: the text.
+  std::string key;
 
   Issuer() = default;
   // A collective of the program's own, named by `text`.

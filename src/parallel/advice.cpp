@@ -36,19 +36,25 @@ const char* const kUnevenAdvice =
 
 }  // namespace
 
+// The ranks agree on the words a DDP's place leaves out, and on the place.
+Issuer DdpNames::named(int kind, int index, const std::string& alone, const std::string& placed_text) const {
+  Issuer issuer(kind, model_, index, placed() ? placed_text : alone);
+  issuer.key = alone + "#" + std::to_string(model_);
+  return issuer;
+}
+
 Issuer DdpNames::issuer(IssuerKind kind, const std::string& what) const {
-  if (!placed()) return Issuer(kind, model_, -1, what);
   const std::string the = "the " + ordinal_of(model_) + " ";
   if (what.rfind("the ", 0) == 0)  // "the replica check": "the second DistributedDataParallel's replica check"
-    return Issuer(kind, model_, -1, the + "DistributedDataParallel's " + what.substr(4));
-  if (what.rfind("DistributedDataParallel", 0) == 0) return Issuer(kind, model_, -1, the + what);
-  return Issuer(kind, model_, -1, the + "DistributedDataParallel's " + what);  // "register_comm_hook"
+    return named(kind, -1, what, the + "DistributedDataParallel's " + what.substr(4));
+  if (what.rfind("DistributedDataParallel", 0) == 0) return named(kind, -1, what, the + what);
+  return named(kind, -1, what, the + "DistributedDataParallel's " + what);  // "register_comm_hook"
 }
 
 Issuer DdpNames::bucket(int index) const {
   const std::string b = std::to_string(index);
-  return Issuer(kBucket, model_, index,
-                placed() ? "the " + ordinal_of(model_) + " DDP's bucket " + b + "'s backward" : "DDP bucket " + b + "'s backward");
+  return named(kBucket, index, "DDP bucket " + b + "'s backward",
+               "the " + ordinal_of(model_) + " DDP's bucket " + b + "'s backward");
 }
 
 std::string library_advice(const std::vector<Whereabouts>& where) {

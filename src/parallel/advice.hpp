@@ -35,7 +35,9 @@ enum IssuerKind : int {
 // group's only one: "DDP bucket 3's backward", "DistributedDataParallel's
 // buffers before a forward". Once the group has several, each by its
 // place, the first too: "the first DDP's bucket 3's backward", "the second
-// DistributedDataParallel's buffers before a forward".
+// DistributedDataParallel's buffers before a forward". A rank may build
+// its second DDP before another does: the check compares the issuers' keys
+// (the words without the place, and the place), never the words.
 class DdpNames {
  public:
   DdpNames() = default;  // a group's only DDP
@@ -46,6 +48,7 @@ class DdpNames {
 
  private:
   bool placed() const { return model_ > 0 || (models_ && models_->load() > 1); }
+  Issuer named(int kind, int index, const std::string& alone, const std::string& placed_text) const;
   int model_ = 0;
   std::shared_ptr<const std::atomic<int>> models_;
 };
