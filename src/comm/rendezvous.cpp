@@ -361,4 +361,28 @@ void check_settings(const StoreClient& store, int rank, int world_size, const Se
   }
 }
 
+std::optional<WorkerEnv> pod_worker(const Environment& environment) {
+  const auto decided = node_decisions(environment);  // throws for a launcher we do not know
+  if (decided.empty()) return std::nullopt;
+  WorkerEnv w;
+  w.launcher = "kubeflow";
+  w.master_addr = "127.0.0.1";
+  for (const auto& [name, value] : decided) {
+    if (name == "nnodes") w.world_size = w.nnodes = std::stoi(value);
+    if (name == "node_rank") w.rank = w.node_rank = std::stoi(value);
+    if (name == "master_addr") w.master_addr = value;
+    if (name == "master_port") w.master_port = std::stoi(value);
+    if (name == "nproc" && value != "1")
+      throw UsageError("environment: PET_NPROC_PER_NODE=" + value + " asks for " + value +
+                       " processes in this pod, and a program does not start its own: run it under torchrun, or "
+                       "mnist_ddp run --nproc " + value + " -- PROGRAM ARGS");
+  }
+  if (w.rank >= w.world_size)
+    throw UsageError("environment: PET_NODE_RANK=" + std::to_string(w.rank) + " is not below PET_NNODES=" +
+                     std::to_string(w.world_size));
+  if (w.master_port <= 0)
+    throw UsageError("environment: a Kubeflow pod of several nodes needs PET_MASTER_PORT (or MASTER_PORT)");
+  return w;
+}
+
 }  // namespace mnist_ddp

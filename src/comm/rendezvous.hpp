@@ -65,4 +65,9 @@ RankPlan agree_on_ranks(const StoreClient& store, const WorkerEnv& env, std::chr
 void check_settings(const StoreClient& store, int rank, int world_size, const Settings& settings,
                     std::chrono::milliseconds timeout, const std::function<void()>& check);
 
+// A process that no launcher we know started as a worker: one that a
+// Kubeflow pod's environment makes a node of one process; nullopt for a
+// world of 1. UsageError for a pod that asks for more.
+std::optional<WorkerEnv> pod_worker(const Environment& environment);
+
 }  // namespace mnist_ddp
