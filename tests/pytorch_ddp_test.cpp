@@ -804,5 +804,22 @@ TEST(PyTorchDdp, AShutDownGroupLetsAProgramReturnAfterAPeerIsLost) {
   EXPECT_LT(ran.seconds, 30 * test::kSlower) << "a wait outlived shutdown() (the timeout is 60 s)\n" << ran.output;
 }
 
+// A process no launcher started (a world of 1) forms its group anew too.
+TEST(PyTorchDdp, AWorldOfOneFormsItsGroupAnewAfterShutdown) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // the child runs this test alone, its default group its own
+  EXPECT_EXIT(
+      {
+        auto first = init_process_group();
+        first.shutdown();
+        auto again = init_process_group();
+        auto t = torch::ones({2});
+        again.allreduce_sum(t);
+        const bool anew = GroupAccess::share(again) != GroupAccess::share(first) &&
+                          GroupAccess::share(*default_process_group()) == GroupAccess::share(again);
+        std::exit(anew && t[1].item<float>() == 1 ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
 }  // namespace pytorch_behaviours
 }  // namespace mnist_ddp

@@ -373,7 +373,8 @@ WorkerEnv resolved(const WorkerEnv& launched, const ProcessGroupOptions& options
 // which so outlives every group (a store this rank hosts stays up for the
 // ranks still on it). Guarded by init_process_group's mutex.
 struct Joined {
-  WorkerEnv env;  // resolved; world_size 0: a world of 1
+  bool alone = false;  // a world of 1, no launcher
+  WorkerEnv env;       // resolved
   JobStore job;
   std::optional<RankPlan> plan;
   int formed = 0;
@@ -392,18 +393,18 @@ ProcessGroup alone(const ProcessGroupOptions& options) {
 
 ProcessGroup join_or_stay_alone(const ProcessGroupOptions& options) {
   if (g_job) {  // forming anew
-    if (g_job->env.world_size == 0) return alone(options);
+    if (g_job->alone) return alone(options);
     return join(g_job->env, g_job->job, options, ++g_job->formed, g_job->plan);
   }
   const Environment environment = read_environment();
   std::optional<WorkerEnv> worker = launched_worker(environment);
   if (!worker) worker = pod_worker(environment);
   if (!worker) {
-    g_job = new Joined{};
+    g_job = new Joined{true, {}, {}, std::nullopt, 0};
     return alone(options);
   }
   const WorkerEnv env = resolved(*worker, options);
-  auto job = std::make_unique<Joined>(Joined{env, open_job_store(env, timeout_for(env, options)), std::nullopt, 0});
+  auto job = std::make_unique<Joined>(Joined{false, env, open_job_store(env, timeout_for(env, options)), std::nullopt, 0});
   ProcessGroup group = join(job->env, job->job, options, 0, job->plan);
   g_job = job.release();
   return group;

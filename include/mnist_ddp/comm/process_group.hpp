@@ -167,9 +167,9 @@ class ProcessGroup {
 // (default_process_group()); a second call returns it when `options` ask
 // for nothing it does not have, and throws UsageError naming the difference
 // otherwise. Once it was shut down, or every handle to it is gone (PyTorch's
-// destroy_process_group()), a call forms the job's group anew, with the same
-// ranks over the same store: every rank calls it as often. Throws UsageError for an environment or options
-// that cannot work, Timeout for a rank or store that does not answer within
+// destroy_process_group()), a call forms the job's group anew, with the
+// same ranks over the same store: every rank calls it as often. Throws
+// UsageError for an environment or options that cannot work, Timeout for a rank or store that does not answer within
 // the timeout, PeerLost when the store's host went away, and Error with a
 // one-line reason otherwise (port in use, a setting that differs).
 ProcessGroup init_process_group(const ProcessGroupOptions& options = {});
