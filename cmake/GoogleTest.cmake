@@ -6,7 +6,7 @@
 # The sources: MNIST_DDP_GTEST_SOURCE_DIR, else src/googletest under each
 # CMAKE_PREFIX_PATH entry and /usr (Debian's googletest package). Without
 # them the tests are left out, and configuring says so. Defines
-# GTest::gtest and GTest::gtest_main.
+# GTest::gtest (tests/main.cpp is the tests' main).
 
 set(gtest_candidates "")
 string(REPLACE ":" ";" env_prefixes "$ENV{CMAKE_PREFIX_PATH}")
@@ -24,7 +24,7 @@ endif()
 set(BUILD_GMOCK OFF CACHE BOOL "" FORCE)
 set(INSTALL_GTEST OFF CACHE BOOL "" FORCE)
 add_subdirectory("${MNIST_DDP_GTEST_SOURCE_DIR}" "${CMAKE_BINARY_DIR}/googletest" EXCLUDE_FROM_ALL)
-foreach(target gtest gtest_main)
+foreach(target gtest)
   target_compile_options(${target} PUBLIC ${TORCH_CXX_FLAGS})
   if(NOT TARGET GTest::${target})
     add_library(GTest::${target} ALIAS ${target})
