@@ -4,13 +4,9 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
-
-#include <spdlog/spdlog.h>
 
 #include "base/environment.hpp"
 #include "comm/store.hpp"
@@ -103,16 +99,5 @@ int launch_or_work(int argc, char** argv) {
 }  // namespace
 
 // Every object of ours is gone when launch_or_work returns (the group, the
-// trainer, the launcher's children and lock are its locals). What is left
-// are LibTorch's static destructors, which deregister each of its
-// operators: 0.3 s of every process's exit on this project's CPU machine,
-// the launcher's after its workers'. So the output is flushed and the
-// process ends without them.
-int main(int argc, char** argv) {
-  const int code = launch_or_work(argc, argv);
-  spdlog::shutdown();
-  std::cout.flush();
-  std::cerr.flush();
-  std::fflush(nullptr);
-  std::_Exit(code);
-}
+// trainer, the launcher's children and lock are its locals).
+int main(int argc, char** argv) { mnist_ddp::end_process(launch_or_work(argc, argv)); }

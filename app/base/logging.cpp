@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <iostream>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -125,6 +126,14 @@ void quiet_libtorch_logs(bool user_set_level) {
   // glog's, where LibTorch logs through it (Debian's); looked up, as other
   // LibTorch builds have no glog.
   if (auto* level = static_cast<int32_t*>(dlsym(RTLD_DEFAULT, "_ZN3fLI17FLAGS_minloglevelE"))) *level = 3;
+}
+
+void end_process(int code) {
+  spdlog::shutdown();
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  std::_Exit(code);
 }
 
 }  // namespace mnist_ddp
