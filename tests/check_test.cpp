@@ -627,10 +627,12 @@ TEST(Join, StaticGraphWithRank0OutOfDataFirstEndsWithOneModelAndOneLayout) {
 
 // A broadcast from a rank that has joined has nothing to send: refused on
 // every rank by name (never delivered as zeros), a replica check's too,
-// and the group's streams stay usable.
+// and the group's streams stay usable. A reduce_scatter before it is
+// served: the joined rank adds zeros.
 TEST(Join, ABroadcastFromARankThatHasJoinedIsRefusedOnEveryRank) {
   std::vector<std::string> said(2);
   std::vector<double> after(2);
+  torch::Tensor scattered = torch::zeros({2});
   run_ranks(2, [&](ProcessGroup& group) {
     auto model = std::make_shared<torch::nn::LinearImpl>(4, 2);
     DistributedDataParallel ddp(model, group);
@@ -638,6 +640,7 @@ TEST(Join, ABroadcastFromARankThatHasJoinedIsRefusedOnEveryRank) {
       ddp.join([&] {
         if (group.rank() == 0) return;  // no data at all
         ddp.forward(torch::ones({2, 4})).sum().backward();
+        group.reduce_scatter(scattered, torch::arange(1, 5, torch::kFloat32));  // rank 1's chunk: [3, 4]
         auto t = torch::ones({3});
         group.broadcast(t, 0);
       });
@@ -653,6 +656,7 @@ TEST(Join, ABroadcastFromARankThatHasJoinedIsRefusedOnEveryRank) {
   EXPECT_EQ(said[0], "ddp.join(): the other ranks broadcast 3 float32 from rank 0, and " + tail);
   EXPECT_EQ(said[1], "the program's own broadcast (broadcast, 3 float32, from rank 0): " + tail);
   EXPECT_EQ(after, (std::vector<double>{2, 2}));
+  EXPECT_TRUE(torch::equal(scattered, torch::tensor({3.0F, 4.0F}))) << scattered;
 }
 
 }  // namespace

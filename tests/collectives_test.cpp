@@ -7,6 +7,7 @@
 #include <random>
 
 #include "comm/collectives.hpp"
+#include "comm/group.hpp"
 #include "mnist_ddp/parallel/comm_hooks.hpp"
 #include "mnist_ddp/parallel/distributed.hpp"
 #include "app/train/model.hpp"
@@ -204,6 +205,36 @@ TEST(ExactMath, AgreesWithFloat64MathWithinRounding) {
   auto zero = torch::zeros({5, 2});
   orthogonalize(zero, 0);
   EXPECT_TRUE(torch::equal(zero, torch::zeros({5, 2}))) << "a zero column must stay zero, not NaN";
+}
+
+// NCCL's own reduce_scatter (Link::reduce_scatter_sum), one rank a GPU,
+// up to two: each rank's chunk is the sum of that chunk over the ranks.
+TEST(CudaCollectives, NcclsReduceScatterGivesEachRankTheSumOfItsChunk) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device is visible to this LibTorch";
+  const int world = std::min<int>(static_cast<int>(torch::cuda::device_count()), 2);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<torch::Tensor> got(world);
+  std::vector<std::string> failed(world);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < world; ++rank)
+    ranks.emplace_back([&, rank] {
+      try {
+        const torch::Device gpu(torch::kCUDA, rank);
+        ProcessGroup group = make_process_group(store, rank, world, "nccl", gpu, std::chrono::seconds(60));
+        auto out = torch::zeros({3}, gpu);
+        group.reduce_scatter(out, torch::arange(3 * world, torch::TensorOptions(gpu)) * (rank + 1));
+        got[rank] = out.cpu();
+        group.barrier();
+      } catch (const std::exception& e) {
+        failed[rank] = e.what();
+      }
+    });
+  for (auto& t : ranks) t.join();
+  const double ranks_sum = world * (world + 1) / 2.0;  // 1 + 2 + ... + world
+  for (int r = 0; r < world; ++r) {
+    ASSERT_EQ(failed[r], "") << "rank " << r;
+    EXPECT_TRUE(torch::equal(got[r], torch::arange(3 * r, 3 * r + 3, torch::kFloat32) * ranks_sum)) << "rank " << r;
+  }
 }
 
 }  // namespace

@@ -39,6 +39,7 @@ Backend nccl() {
   b.takes = [](const c10::Device& d) { return d.is_cuda(); };
   b.on_device = true;
   b.lanes = false;
+  b.reduce_scatter = true;
 #ifdef MNIST_DDP_WITH_CUDA
   b.create = [](const StorePtr& store, int rank, int world_size, std::chrono::milliseconds timeout,
                 const std::string&) -> GroupPtr {

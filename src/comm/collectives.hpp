@@ -75,7 +75,7 @@ struct RefusedEverywhere : UsageError {
 std::string dtype_name(c10::ScalarType type);
 
 // The operations the check tells apart.
-enum class Op : int64_t { allreduce = 1, broadcast, gather, allgather, barrier };
+enum class Op : int64_t { allreduce = 1, broadcast, gather, allgather, barrier, reduce_scatter };
 
 // A broadcast from this root is from the group's first rank with data:
 // rank 0, or, while ranks have joined (ddp.join()), the highest rank still
@@ -142,6 +142,8 @@ class Link {
   void broadcast(torch::Tensor& tensor, int root);
   std::vector<torch::Tensor> gather_to_rank0(const torch::Tensor& tensor);
   torch::Tensor allgather(const torch::Tensor& tensor);
+  // Sums `input` (world_size chunks of `output`'s size), this rank's chunk into `output`; blocking.
+  void reduce_scatter_sum(const torch::Tensor& output, const torch::Tensor& input);
   // Sends `out` to rank `to` while receiving `in` (as many elements, both
   // contiguous) from rank `from`, in pieces of at most `piece` elements with
   // at most `depth` pieces in flight each way; blocking.
@@ -213,6 +215,7 @@ class Channel {
   // Every rank's `tensor`, stacked in rank order: [world_size, tensor's
   // shape...], on tensor's device. Blocking.
   torch::Tensor allgather(const torch::Tensor& tensor);
+  void reduce_scatter_sum(const torch::Tensor& output, const torch::Tensor& input);  // Link's
   void barrier();
   // Sends and receives round the ring (Link::exchange), unchecked: only
   // inside a collective that was checked.

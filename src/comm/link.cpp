@@ -199,6 +199,19 @@ torch::Tensor Link::allgather(const torch::Tensor& tensor) {
   return torch::stack(output[0]).view(tensor.scalar_type());
 }
 
+void Link::reduce_scatter_sum(const torch::Tensor& output, const torch::Tensor& input) {
+  if (backend_.reduce_scatter && !(shared_ && input.is_cpu())) {
+    torch::Tensor in = input.contiguous(), out = output.contiguous();
+    issue("reduce_scatter", in);
+    finish(group_->_reduce_scatter_base(out, in));
+    if (!out.is_same(output)) output.copy_(out);
+    return;
+  }
+  torch::Tensor sum = input.reshape(-1).clone();
+  allreduce_sum(sum)->waitAndThrow();
+  output.copy_(sum.slice(0, rank() * output.numel(), (rank() + 1) * output.numel()).view_as(output));
+}
+
 void Link::exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from, int64_t piece, int depth) {
   TORCH_CHECK(piece > 0 && depth > 0 && in.numel() == out.numel(), "exchange: bad pieces or sizes");
   issue("exchange", out);

@@ -85,8 +85,8 @@ Work ProcessGroup::allgather_async(const at::Tensor& tensor) const {
   return post(*state_, what, [tensor](Channel& c) { return c10::IValue(c.allgather(tensor.detach())); });
 }
 
-// A sum of the whole input, each rank keeping its chunk: the Gloo of
-// LibTorch 1.13 has no reduce_scatter.
+// NCCL's own reduce_scatter; over Gloo, a sum of the whole input, each
+// rank keeping its chunk (Link::reduce_scatter_sum).
 Work ProcessGroup::reduce_scatter_async(at::Tensor& output, const at::Tensor& input) const {
   const std::string what = "the program's own reduce_scatter";
   check_tensor(*state_, what, output, true);
@@ -95,11 +95,8 @@ Work ProcessGroup::reduce_scatter_async(at::Tensor& output, const at::Tensor& in
     throw UsageError(what + ": the input must hold world_size() (" + std::to_string(state_->world_size) +
                      ") chunks of the output's size and dtype, got " + std::to_string(input.numel()) +
                      " elements for an output of " + std::to_string(output.numel()));
-  const int rank = state_->rank;
-  return post(*state_, what, [output, input, rank](Channel& c) {
-    at::Tensor sum = input.detach().reshape(-1).clone();
-    c.allreduce_sum(sum)->waitAndThrow();
-    output.copy_(sum.slice(0, rank * output.numel(), (rank + 1) * output.numel()).view_as(output));
+  return post(*state_, what, [output, input](Channel& c) {
+    c.reduce_scatter_sum(output, input.detach());
     return c10::IValue(output);
   });
 }
