@@ -222,7 +222,7 @@ TEST(CudaCollectives, NcclsReduceScatterGivesEachRankTheSumOfItsChunk) {
         const torch::Device gpu(torch::kCUDA, rank);
         ProcessGroup group = make_process_group(store, rank, world, "nccl", gpu, std::chrono::seconds(60));
         auto out = torch::zeros({3}, gpu);
-        group.reduce_scatter(out, torch::arange(3 * world, torch::TensorOptions(gpu)) * (rank + 1));
+        group.reduce_scatter(out, torch::arange(3 * world, torch::TensorOptions(gpu).dtype(torch::kFloat32)) * (rank + 1));
         got[rank] = out.cpu();
         group.barrier();
       } catch (const std::exception& e) {

@@ -40,8 +40,8 @@ struct Backend {
   // bfloat16 tensor is broadcast or gathered as the float16 of its bytes
   // (moved, never added: the bits arrive as they left).
   bool bfloat16 = true;
-  // Has a reduce_scatter of its own that moves one chunk per rank (NCCL);
-  // where not, the library sums the whole input and keeps its chunk.
+  // Has a reduce_scatter of its own, each rank receiving only its chunk
+  // (NCCL); where not, the library sums the whole input and keeps its chunk.
   bool reduce_scatter = false;
   // Forms this rank's group over `store` (whose keys it owns) within
   // `timeout`. `address`: where a socket-based backend listens.

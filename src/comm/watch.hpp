@@ -171,8 +171,9 @@ class CollectiveWatch {
   void shut_down(std::exception_ptr why, std::function<void()> abort);
   bool is_shut_down() const { return shut_down_.load(); }
   // The line naming a mismatch at check `position` of `lane`: this rank
-  // leaves `mine` (what it issued) in the store and reads every rank's
-  // (waiting a few seconds at most): "rank 0 is in ...; rank 1 is in ...: <advice>".
+  // leaves `mine` (what it issued) in the store, reads every rank's, and
+  // returns once the ranks that left theirs have read them (5 s at most
+  // for each of the two waits): "rank 0 is in ...; rank 1 is in ...: <advice>".
   std::string mismatch_line(const std::string& lane, uint64_t position, const Issuer& issuer, const std::string& mine);
   // A collective of `lane` failed because a peer went away: the error in
   // our words (a rank that ended its program before this collective's check

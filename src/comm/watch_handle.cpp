@@ -240,7 +240,7 @@ std::string CollectiveWatch::mismatch_line(const std::string& lane, uint64_t pos
     client.set(prefix + std::to_string(rank_), encode_issuer(issuer) + kField + mine);
     std::vector<std::string> keys;
     for (int r = 0; r < world_size_; ++r) keys.push_back(prefix + std::to_string(r));
-    client.wait(keys, kWordsWithin);
+    const std::vector<std::string> silent = client.wait(keys, kWordsWithin);
     for (int r = 0; r < world_size_; ++r) {
       if (r == rank_ || !client.check({keys[r]})) continue;
       const auto words = split_on(client.get(keys[r]), kField);
@@ -248,6 +248,15 @@ std::string CollectiveWatch::mismatch_line(const std::string& lane, uint64_t pos
       whats[r] = words[1];
       issuers[r] = decode_issuer(words[0]).value_or(Issuer(words[1]));
     }
+    // Read, said so; and no rank goes on (to end its process, and with it
+    // the store it may host: rank 0 under mpirun) before every rank that
+    // left words has read them too.
+    client.set(prefix + "read/" + std::to_string(rank_), "");
+    std::vector<std::string> readers;
+    for (const auto& key : keys)
+      if (std::find(silent.begin(), silent.end(), key) == silent.end())
+        readers.push_back(prefix + "read/" + key.substr(prefix.size()));
+    client.wait(readers, kWordsWithin);
   } catch (const std::exception&) {
     // The store does not answer: the line says what this rank knows.
   }
