@@ -51,8 +51,9 @@ std::vector<std::string> metrics_rows(const std::string& file, const std::string
 // Runs that stop and go on end where the straight run ends, bit for bit:
 // stopped by --max-steps at an epoch's end and mid-epoch (none); preempted
 // by SIGTERM mid-epoch (powersgd_fp16: its hook state too); and, under
-// both, a worker killed after a random step in each of three starts of a
-// run that restarts itself from its step checkpoints.
+// powersgd_fp16, a worker killed after a random step in each of three
+// starts of a run that restarts itself from its step checkpoints (the
+// restart path is the same under every hook; this one has state to lose).
 TEST(Resume, StoppedPreemptedAndKilledRunsEndAsTheStraightRun) {
   TempDir dir;
   test::write_synthetic_mnist(dir / "data", 1024, 256);
@@ -113,6 +114,7 @@ TEST(Resume, StoppedPreemptedAndKilledRunsEndAsTheStraightRun) {
       ASSERT_EQ(run(job(dir / "data", preempted, compression, {"--epochs", "2", "--resume", "auto"}), dir / "out.txt"), 0);
       expect_same_end(preempted, straight);
     }
+    if (compression == "none") continue;
 
     // A random rank SIGKILLed after a random step, in each of three starts
     // of the workers (through the trainer's fault-injection seam, so that
