@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <thread>
 
@@ -346,6 +348,8 @@ struct Told : Iteration::Effects {
   void took_gradient(size_t p) override { said.push_back("took " + std::to_string(p)); }
   void counted_unused(size_t p) override { said.push_back("unused " + std::to_string(p)); }
   void bucket_ready(size_t b) override { said.push_back("post " + std::to_string(b)); }
+  void round_began() override { said.push_back("began"); }
+  int began() const { return static_cast<int>(std::count(said.begin(), said.end(), "began")); }
   std::vector<std::string> posts() const {
     std::vector<std::string> out;
     for (const auto& s : said)
@@ -366,17 +370,21 @@ TEST(Iteration, BucketsGoInIndexOrderAndSeveralBackwardsCompleteOneIteration) {
   it.use_layout(two_buckets());
   it.open(false);
   EXPECT_TRUE(it.gradient(0, "p0"));  // starts a backward call
+  EXPECT_EQ(told.began(), 1) << "the round's buckets may be announced before any goes";
   EXPECT_TRUE(told.posts().empty()) << "bucket 1 waits for bucket 0";
   EXPECT_EQ(it.end_backward(), Iteration::End::open) << "p1 comes in another backward call";
   EXPECT_TRUE(it.gradient(1, "p1"));
   EXPECT_EQ(told.posts(), (std::vector<std::string>{"post 0", "post 1"}));
+  EXPECT_EQ(told.began(), 1) << "once a round, however many backward calls bring it";
   EXPECT_EQ(it.end_backward(), Iteration::End::complete);
   EXPECT_EQ(it.close(), (std::vector<bool>{true, true}));
   EXPECT_EQ(it.phase(), Iteration::Phase::closed);
   it.gradient(0, "p0");
   EXPECT_EQ(it.end_backward(), Iteration::End::bypassed) << "a backward with no forward of the DDP's";
+  EXPECT_EQ(told.began(), 1) << "a bypassed backward averages nothing";
   it.open(false);
   it.gradient(0, "p0");
+  EXPECT_EQ(told.began(), 2);
   EXPECT_THROW(it.gradient(0, "p0"), UsageError) << "a second gradient before its bucket went";
 }
 
@@ -396,6 +404,7 @@ TEST(Iteration, NoSyncAccumulatesAndAnUnreachedParameterIsUnusedAtOnce) {
   EXPECT_EQ(told.posts(), (std::vector<std::string>{"post 0", "post 1"}));
   EXPECT_EQ(it.end_backward(), Iteration::End::complete);
   EXPECT_EQ(it.close(), (std::vector<bool>{true, false})) << "p0 used, in no_sync's micro-batch and after";
+  EXPECT_EQ(told.began(), 0) << "under find_unused_parameters a bucket may go at the forward: never announced";
 }
 
 // find_unused_parameters: a backward call averages what it has (an output
@@ -447,6 +456,7 @@ TEST(Iteration, StaticGraphLearnsItsFirstStepThenCountsEachParametersGradients) 
   it.gradient(0, "p0");
   EXPECT_EQ(told.posts(), (std::vector<std::string>{"post 0", "post 1"}));
   EXPECT_THROW(it.gradient(0, "p0"), UsageError) << "more than the first step gave";
+  EXPECT_EQ(told.began(), 0) << "static_graph: a rank's unused parameters' bucket may go at the forward";
 }
 
 // A bucket's task may outlive the DDP that posted it: here the backward
@@ -499,6 +509,78 @@ TEST(Ddp, ADdpDestroyedWhileItsBucketTaskRunsUnderPowerSgdLeavesTheTaskWhatItTou
   for (int r = 0; r < 2; ++r) {
     EXPECT_NE(caught[r].find("the process group was shut down"), std::string::npos) << "rank " << r << ": " << caught[r];
     EXPECT_EQ(saw[r], "bias weight 272 1088") << "rank " << r << ": what the task read of its bucket";
+  }
+}
+
+// A backward's buckets are checked as the backward begins, over Gloo
+// (averager.cpp, "Note on checks of buckets"): their check's round trip
+// overlaps the backward instead of delaying the first bucket. Here a
+// function between the two layers of the one bucket holds the backward
+// until the DDP's lane has made a check (5 s at most), so the bucket cannot
+// go before it; and the replicas stay identical.
+struct HoldUntilChecked : torch::autograd::Function<HoldUntilChecked> {
+  struct Probe : StreamProbe {
+    std::atomic<int> checks{0};
+    void checked() override { ++checks; }
+  };
+  static std::array<std::shared_ptr<Probe>, 2> probes;
+  static std::array<std::atomic<int>, 2> held;  // checks made while the backward held, per rank
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, int64_t rank, bool hold) {
+    ctx->saved_data["rank"] = rank;
+    ctx->saved_data["hold"] = hold;
+    ctx->saved_data["checks"] = static_cast<int64_t>(probes[rank]->checks);
+    return x.clone();
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list g) {
+    const int64_t rank = ctx->saved_data["rank"].toInt(), before = ctx->saved_data["checks"].toInt();
+    for (int i = 0; i < 500 && ctx->saved_data["hold"].toBool() && probes[rank]->checks == before; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    held[rank] = probes[rank]->checks - static_cast<int>(before);
+    return {g[0], torch::Tensor(), torch::Tensor()};
+  }
+};
+std::array<std::shared_ptr<HoldUntilChecked::Probe>, 2> HoldUntilChecked::probes;
+std::array<std::atomic<int>, 2> HoldUntilChecked::held;
+
+TEST(Ddp, ABackwardsBucketsAreCheckedWhileItComputesOverGloo) {
+  struct Held : torch::nn::Module {
+    Held() : a(register_module("a", torch::nn::Linear(4, 4))), b(register_module("b", torch::nn::Linear(4, 2))) {}
+    torch::Tensor forward(torch::Tensor x, int64_t rank, bool hold) { return b(HoldUntilChecked::apply(a(x), rank, hold)); }
+    torch::nn::Linear a, b;
+  };
+  for (const bool powersgd : {false, true}) {  // PowerSGD's collectives go unchecked too, after the one check
+    const std::string hook = powersgd ? "powersgd_fp16" : "allreduce";
+    std::vector<std::vector<torch::Tensor>> params(2);
+    std::vector<std::vector<int>> held(2), made(2);
+    run_ranks(2, [&](ProcessGroup& group) {
+      const int r = group.rank();
+      torch::manual_seed(1);
+      auto model = std::make_shared<Held>();
+      DistributedDataParallel ddp(model, group);
+      if (powersgd)
+        ddp.register_comm_hook(
+            hooks::fp16_compress_wrapper(hooks::powersgd(hooks::PowerSgdOptions().start_powersgd_iter(2))));
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+      auto& probe = HoldUntilChecked::probes[r] = std::make_shared<HoldUntilChecked::Probe>();
+      bulk_stream(group)->watch(probe);
+      for (int k = 0; k < 4; ++k) {  // the first backward compares the hooks, in its first bucket's task: not held
+        torch::manual_seed(10 * r + k);
+        opt.zero_grad();
+        const auto x = torch::randn({8, 4}), y = torch::randn({8, 2});
+        const int before = probe->checks;
+        torch::mse_loss(ddp.forward(x, static_cast<int64_t>(r), k > 0), y).backward();
+        opt.step();
+        if (k == 0) continue;
+        held[r].push_back(HoldUntilChecked::held[r]);
+        made[r].push_back(probe->checks - before);
+      }
+      for (const auto& p : model->parameters()) params[r].push_back(p.detach().clone());
+    });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(held[r], (std::vector<int>{1, 1, 1})) << hook << ", rank " << r << ": checks while it held";
+      EXPECT_EQ(made[r], (std::vector<int>{1, 1, 1})) << hook << ", rank " << r << ": checks in each step";
+    }
+    for (size_t i = 0; i < params[0].size(); ++i) EXPECT_TRUE(torch::equal(params[0][i], params[1][i])) << i;
   }
 }
 

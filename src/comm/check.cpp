@@ -53,6 +53,7 @@ const char* op_name(Op op) {
     case Op::allgather: return "allgather";
     case Op::barrier: return "barrier";
     case Op::reduce_scatter: return "reduce_scatter";
+    case Op::announce: return "announced";
   }
   return "?";
 }
@@ -132,6 +133,12 @@ torch::Tensor Channel::allgather(const torch::Tensor& tensor) {
 void Channel::reduce_scatter_sum(const torch::Tensor& output, const torch::Tensor& input) {
   check(Op::reduce_scatter, input, 0);
   link_.reduce_scatter_sum(output, input);
+}
+
+void Channel::announce(const torch::Tensor& first) {
+  // A check of its own group only: one through shared memory or the transfers' group could meet a peer's
+  // transfer (a rank whose backward threw after it issues something else next).
+  if (check_ == Check::before && check_group_ != link_.group() && active_ == world_size()) check(Op::announce, first, 0);
 }
 
 void Channel::barrier() {
@@ -355,6 +362,7 @@ std::optional<Channel::Issued> Channel::abstain(const Issuer& as) {
 
 torch::Tensor Channel::serve(const Issued& issued) {
   if (issued.inlined) return issued.sum;  // the sum travelled in the check, this rank's zeros with it
+  if (issued.op == Op::announce) return torch::Tensor();  // the collectives follow, each checked
   torch::Tensor zeros;
   if (issued.dtype >= 0)
     zeros = torch::zeros({issued.numel}, torch::TensorOptions(static_cast<c10::ScalarType>(issued.dtype)).device(device()));
@@ -367,6 +375,7 @@ torch::Tensor Channel::serve(const Issued& issued) {
     case Op::barrier:
       if (check_ == Check::alongside) link_.barrier();
       break;
+    case Op::announce: break;
   }
   return zeros;
 }

@@ -75,7 +75,7 @@ struct RefusedEverywhere : UsageError {
 std::string dtype_name(c10::ScalarType type);
 
 // The operations the check tells apart.
-enum class Op : int64_t { allreduce = 1, broadcast, gather, allgather, barrier, reduce_scatter };
+enum class Op : int64_t { allreduce = 1, broadcast, gather, allgather, barrier, reduce_scatter, announce /* nothing sent */ };
 
 // A broadcast from this root is from the group's first rank with data:
 // rank 0, or, while ranks have joined (ddp.join()), the highest rank still
@@ -144,9 +144,8 @@ class Link {
   torch::Tensor allgather(const torch::Tensor& tensor);
   // Sums `input` (world_size chunks of `output`'s size), this rank's chunk into `output`; blocking.
   void reduce_scatter_sum(const torch::Tensor& output, const torch::Tensor& input);
-  // Sends `out` to rank `to` while receiving `in` (as many elements, both
-  // contiguous) from rank `from`, in pieces of at most `piece` elements with
-  // at most `depth` pieces in flight each way; blocking.
+  // Sends `out` to rank `to` while receiving `in` (as many elements, both contiguous)
+  // from `from`, in pieces of at most `piece` elements, `depth` in flight each way; blocking.
   void exchange(const torch::Tensor& out, int to, torch::Tensor& in, int from, int64_t piece, int depth);
   void barrier();
   // A check's sum (float64, fixed size) over the ranks, blocking: through
@@ -187,9 +186,8 @@ class Link {
 // CollectiveStream (below) touch a Channel, so its calls are never concurrent.
 class Channel {
  public:
-  // `check_group`: where the checks go when there is no shared memory
-  // (a group of their own, so that a check never waits behind a bucket
-  // still on the wire).
+  // `check_group`: the checks' own group where there is no shared memory
+  // (so that a check never waits behind a bucket still on the wire).
   Channel(Link link, Check check, GroupPtr check_group);
   ~Channel();
   Channel(Channel&&) = default;
@@ -244,13 +242,11 @@ class Channel {
   // abstains learns it from the check.
   struct Issued {
     Op op = Op::barrier;
-    int64_t dtype = -1;  // -1: no tensor
-    int64_t numel = 0;
-    int root = 0;        // kAuthority resolved
-    int tag = 0;         // see tag_next()
-    bool inlined = false;  // the sum travelled in the check (and is `sum`)
-    torch::Tensor sum;     // an inlined sum, as every rank got it
-    int issuers = 0;       // how many ranks issued it
+    int64_t dtype = -1, numel = 0;  // dtype -1: no tensor
+    int root = 0, tag = 0;          // root: kAuthority resolved; tag: see tag_next()
+    bool inlined = false;           // the sum travelled in the check (and is `sum`, as every rank got it)
+    torch::Tensor sum;
+    int issuers = 0;  // how many ranks issued it
   };
   // Takes part in the next check of this lane without a collective of its
   // own (a rank whose data ran out: ddp.join()), described to the others
@@ -288,6 +284,11 @@ class Channel {
     Channel& channel_;
     uint64_t id_;
   };
+  // A DeterminedRun's check made ahead of its collectives, which the lane's
+  // next task issues, going on from it (a backward's buckets, announced as
+  // it begins: the round trip overlaps the backward). Only where the checks
+  // have a group of their own (Gloo, Check::before) and every rank issues.
+  void announce(const torch::Tensor& first);
   // The stream's thread starts a task (for DeterminedRun's continuation).
   void starting_task() { ++tasks_; }
 
@@ -436,8 +437,7 @@ class CollectiveStream {
   // In order with the tasks: a task posted before it runs unwatched.
   void watch(std::shared_ptr<StreamProbe> probe);
 
-  // `error`, from a transfer of this lane's that its caller waited for
-  // itself (a bucket's future), as the lane's own wait says it.
+  // `error`, from a transfer its caller waited for itself (a bucket's future), as the lane's wait says it.
   std::exception_ptr explained(std::exception_ptr error);
   // The group's watchdog (nullptr for a world of 1), for a waiter that
   // waits on this lane's futures itself.

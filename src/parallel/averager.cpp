@@ -64,23 +64,41 @@ void Averager::agree_on_hook(Channel& channel) {
 }
 
 // Note on checks of buckets. A hook of ours over a backward's buckets is
-// checked once, at the first collective of its first dense bucket: the
-// sizes of the rest follow from the layout (compared when the DDP was
-// built) and the hook (compared at the first backward), and a backward's
-// buckets are posted one after another on the lane, nothing between them
-// (a rank whose backward stopped half-way posts the rest first thing at
-// its next forward: Iteration::left_open()). Where a rank has joined,
-// every collective is checked. A check made ahead of the first bucket (as
-// the forward begins) would take its round trip off the backward's path,
-// but a rank whose forward threw after it would leave its peers' first
-// bucket, unchecked, facing its next check: it is not made.
+// checked once: the sizes of its collectives follow from the layout
+// (compared when the DDP was built) and the hook (compared at the first
+// backward), and a backward's buckets are posted one after another on the
+// lane, nothing between them (a rank whose backward stopped half-way posts
+// the rest first thing at its next forward: Iteration::left_open()). That
+// one check is made as the backward begins (announce(): its first
+// gradient), so that its round trip overlaps the backward's compute
+// instead of delaying the first bucket; where the channel does not
+// announce (Channel::announce), or anything comes between, it is the
+// first collective of the first dense bucket. Where a rank has joined,
+// every collective is checked. A rank whose backward throws after the
+// announcement and issues something else on this lane before its next
+// forward leaves its peers in their first bucket, unchecked, and itself in
+// a check: on groups of their own these never meet on the wire, and the
+// wait is reported, then named at the timeout. A check made at the forward
+// would do that to every rank whose forward threw: it is not made.
+void Averager::announce(const hooks::GradBucket& first) {
+  const auto ticket = stream_->post(
+      [self = shared_from_this(), first, round = round_.load()](Channel& channel) {
+        if (!self->hook_agreed_ || !determined(*self->hook_) || !first.buffer().defined()) return;
+        Channel::DeterminedRun run(channel, round);
+        channel.announce(first.buffer());
+      },
+      names_.bucket(0));
+  std::lock_guard<std::mutex> lock(mutex_);
+  posted_.push_back(ticket);
+}
+
 void Averager::communicate(const hooks::GradBucket& bucket, uint64_t round, Channel& channel) {
   if (bucket.index() == 0 && !hook_agreed_) agree_on_hook(channel);
   FuturePtr result;
   if (bucket.buffer().defined()) {
     hooks::GroupWire wire(channel, wire_);
     std::optional<Channel::DeterminedRun> run;
-    if (determined(*hook_)) run.emplace(channel, round, bucket.index() > 0);
+    if (determined(*hook_)) run.emplace(channel, round, true);
     result = hook_->run(bucket, wire);
   } else {  // a sparse gradient, summed as one (the hook takes dense buckets)
     const torch::Tensor& param = bucket.parameters()[0];

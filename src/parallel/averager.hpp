@@ -37,6 +37,10 @@ class Averager : public std::enable_shared_from_this<Averager> {
   // bucket of the first averaging compares every rank's hook first) and
   // leaves its future, without waiting for it.
   CollectiveStream::Ticket post(const hooks::GradBucket& bucket);
+  // An averaging backward began (its first gradient): posts a task that
+  // announces its buckets (Channel::announce), where a hook of ours runs
+  // them, so that their check is made while the backward computes.
+  void announce(const hooks::GradBucket& first);
   // A backward's buckets are done (take() calls it): the next post() is
   // the next backward's first.
   void next_round() { ++round_; }

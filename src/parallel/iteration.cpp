@@ -43,6 +43,7 @@ void Iteration::rearm() {
   fires_.assign(params_, 0);
   next_bucket_ = 0;
   unused_found_ = false;
+  began_ = false;
 }
 
 void Iteration::adopt(std::vector<int> expected_fires, std::vector<size_t> ready_order, bool rebuild_due) {
@@ -75,6 +76,10 @@ bool Iteration::gradient(size_t p, const std::string& name) {
     }
   }
   if ((phase_ != Phase::averaging && phase_ != Phase::learning) || bypassed_) return started;
+  if (!began_ && phase_ == Phase::averaging && !find_unused_ && !static_graph_) {
+    began_ = true;
+    effects_.round_began();
+  }
   ++fires_[p];
   if (phase_ == Phase::learning) {  // the first step: how many, and in which order
     if (fires_[p] == 1) ready_order_.push_back(p);

@@ -56,6 +56,11 @@ class Iteration {
     virtual void counted_unused(size_t p) = 0;
     // Bucket b is ready: post it.
     virtual void bucket_ready(size_t b) = 0;
+    // An averaging round's first gradient, where every rank's buckets can
+    // go only after it (no find_unused_parameters, no static_graph: no
+    // bucket is ever posted at a forward, and no rank's graph differs in
+    // what it reaches): the buckets may be announced, once a round.
+    virtual void round_began() {}
   };
 
   Iteration(size_t params, bool find_unused, bool static_graph, Effects& effects);
@@ -127,6 +132,7 @@ class Iteration {
   std::vector<bool> ready_;    // param -> ready in this iteration
   std::vector<int> fires_;     // param -> gradients it received in this iteration
   size_t next_bucket_ = 0;     // buckets [0, next_bucket_) are posted
+  bool began_ = false;         // round_began() said in this round
   std::vector<bool> used_;     // param -> received a gradient since the last averaging
   // static_graph: what the first averaging iteration learned.
   std::vector<int> expected_fires_;  // param -> gradients a step gives it; empty before

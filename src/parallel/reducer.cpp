@@ -351,6 +351,8 @@ void Reducer::counted_unused(size_t p) {
 
 void Reducer::bucket_ready(size_t b) { averager_->post(layout_->bucket(b)); }
 
+void Reducer::round_began() { averager_->announce(layout_->bucket(0)); }
+
 void Reducer::mark_ready(size_t p) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!iteration_->gradient(p, names_[p])) return;

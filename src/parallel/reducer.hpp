@@ -142,6 +142,7 @@ class Reducer : public std::enable_shared_from_this<Reducer>, private Iteration:
   void took_gradient(size_t p) override;
   void counted_unused(size_t p) override;
   void bucket_ready(size_t b) override;
+  void round_began() override;
   // Makes params_[p].grad the view into its bucket, keeping its value.
   void link_grad(size_t p);
   void before_accumulating(size_t p);  // autograd's pre-hook on the accumulator
