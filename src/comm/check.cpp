@@ -72,6 +72,30 @@ bool all_agree(const double* s, const int64_t* pieces) {
   return true;
 }
 
+// Moves an inlined sum (a CPU float32 or float64 tensor) into the check's
+// first elements (`in`), or back out of them: element by element where it
+// is contiguous, since two torch copies cost more than the rest of a
+// check's own work.
+void carry(torch::Tensor& sum, const torch::Tensor& sums, bool in) {
+  const int64_t n = sum.numel();
+  if (!sum.is_contiguous()) {
+    if (in) sums.slice(0, 0, n).copy_(sum.reshape(-1));
+    else sum.copy_(sums.slice(0, 0, n).view(sum.sizes()));
+    return;
+  }
+  double* s = sums.data_ptr<double>();
+  if (sum.scalar_type() == torch::kDouble) {
+    double* p = sum.data_ptr<double>();
+    std::copy(in ? p : s, (in ? p : s) + n, in ? s : p);
+    return;
+  }
+  float* p = sum.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (in) s[i] = p[i];
+    else p[i] = static_cast<float>(s[i]);
+  }
+}
+
 bool issued_by(const double* s, int r) {
   return ((static_cast<uint64_t>(s[kFields + r / kBitsPerWord]) >> (r % kBitsPerWord)) & 1u) != 0;
 }
@@ -269,10 +293,10 @@ Channel::Outcome Channel::check(Op op, const torch::Tensor& tensor, int root, to
     return out;
   }
   settle();  // a broadcast from the authority needs every earlier check's word on who issues
-  if (inlined) sums.slice(0, 0, d.numel).copy_(inlined->reshape(-1));
+  if (inlined) carry(*inlined, sums, true);
   exchange_check(sums);
   out = verify(sums, &d, position);
-  if (inlined) inlined->copy_(sums.slice(0, 0, d.numel).view(inlined->sizes()));
+  if (inlined) carry(*inlined, sums, false);
   pass_check();
   return out;
 }
