@@ -561,7 +561,8 @@ TEST(Ddp, ABackwardsBucketsAreCheckedWhileItComputesOverGloo) {
         ddp.register_comm_hook(
             hooks::fp16_compress_wrapper(hooks::powersgd(hooks::PowerSgdOptions().start_powersgd_iter(2))));
       torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
-      auto& probe = HoldUntilChecked::probes[r] = std::make_shared<HoldUntilChecked::Probe>();
+      HoldUntilChecked::probes[r] = std::make_shared<HoldUntilChecked::Probe>();
+      const auto probe = HoldUntilChecked::probes[r];
       bulk_stream(group)->watch(probe);
       for (int k = 0; k < 4; ++k) {  // the first backward compares the hooks, in its first bucket's task: not held
         torch::manual_seed(10 * r + k);
