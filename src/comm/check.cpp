@@ -159,10 +159,12 @@ void Channel::reduce_scatter_sum(const torch::Tensor& output, const torch::Tenso
   link_.reduce_scatter_sum(output, input);
 }
 
-void Channel::announce(const torch::Tensor& first) {
+bool Channel::announce(const torch::Tensor& first) {
   // A check of its own group only: one through shared memory or the transfers' group could meet a peer's
   // transfer (a rank whose backward threw after it issues something else next).
-  if (check_ == Check::before && check_group_ != link_.group() && active_ == world_size()) check(Op::announce, first, 0);
+  if (check_ != Check::before || check_group_ == link_.group()) return false;
+  if (active_ == world_size()) check(Op::announce, first, 0);
+  return true;
 }
 
 void Channel::barrier() {

@@ -286,9 +286,9 @@ class Channel {
   };
   // A DeterminedRun's check made ahead of its collectives, which the lane's
   // next task issues, going on from it (a backward's buckets, announced as
-  // it begins: the round trip overlaps the backward). Only where the checks
-  // have a group of their own (Gloo, Check::before) and every rank issues.
-  void announce(const torch::Tensor& first);
+  // it begins: the round trip overlaps the backward). Only where the checks have a group of their
+  // own (Gloo, Check::before) and every rank issues. False: this channel never announces.
+  bool announce(const torch::Tensor& first);
   // The stream's thread starts a task (for DeterminedRun's continuation).
   void starting_task() { ++tasks_; }
 

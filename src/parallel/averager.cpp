@@ -81,11 +81,12 @@ void Averager::agree_on_hook(Channel& channel) {
 // wait is reported, then named at the timeout. A check made at the forward
 // would do that to every rank whose forward threw: it is not made.
 void Averager::announce(const hooks::GradBucket& first) {
+  if (!announcing_ || !determined(*hook_) || !first.buffer().defined()) return;  // no task a step for nothing
   const auto ticket = stream_->post(
       [self = shared_from_this(), first, round = round_.load()](Channel& channel) {
-        if (!self->hook_agreed_ || !determined(*self->hook_) || !first.buffer().defined()) return;
+        if (!self->hook_agreed_) return;
         Channel::DeterminedRun run(channel, round);
-        channel.announce(first.buffer());
+        self->announcing_ = channel.announce(first.buffer());
       },
       names_.bucket(0));
   std::lock_guard<std::mutex> lock(mutex_);

@@ -65,6 +65,7 @@ class Averager : public std::enable_shared_from_this<Averager> {
   const DdpNames names_;
   hooks::CommHookPtr hook_;
   std::atomic<bool> hook_agreed_{false};  // written on the stream's thread
+  std::atomic<bool> announcing_{true};    // until the channel says it never announces (on one host)
   hooks::WireStats wire_;     // written by the stream's tasks
   struct InFlight {
     hooks::GradBucket bucket;
