@@ -258,7 +258,7 @@ int compute_limit(int steps, const std::string& how) {
   if (plain) {
     at::set_num_threads(1);
   } else {
-    configure_worker_process(threads_per_worker(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())),
+    configure_worker_process(threads_per_worker(usable_cores(),
                                                 read_environment().omp_num_threads));
   }
   torch::manual_seed(0);

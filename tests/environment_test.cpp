@@ -3,6 +3,8 @@
 // the placement of a node's workers on its devices.
 #include <gtest/gtest.h>
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <functional>
@@ -345,6 +347,24 @@ TEST(Placement, ARankThatSeesOneGpuUsesItWhateverItsLocalRank) {
   EXPECT_EQ(cpu.backend, "gloo");
   EXPECT_EQ(device_of_local_rank(cpu, 3), -1);
   EXPECT_EQ(device_of_local_rank(plan_placement(parse({"--gpus", "1,0"}), true, 2), 0), 1);
+}
+
+TEST(Placement, AWorkersThreadsAreAShareOfTheCoresItMayRunOn) {
+  cpu_set_t all;
+  ASSERT_EQ(sched_getaffinity(0, sizeof all, &all), 0);
+  EXPECT_EQ(usable_cores(), CPU_COUNT(&all));
+  EXPECT_EQ(threads_per_worker(2, 0), std::max(1, CPU_COUNT(&all) / 2));
+  int first = 0;
+  while (!CPU_ISSET(first, &all)) ++first;
+  cpu_set_t one;  // one core, as `taskset -c N` or a Slurm or container cpuset leaves
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  ASSERT_EQ(sched_setaffinity(0, sizeof one, &one), 0);
+  const int cores = usable_cores(), share = threads_per_worker(1, 0), asked = threads_per_worker(1, 3);
+  ASSERT_EQ(sched_setaffinity(0, sizeof all, &all), 0);
+  EXPECT_EQ(cores, 1);
+  EXPECT_EQ(share, 1) << "a worker on one core got more threads than cores (the machine's count, not its own)";
+  EXPECT_EQ(asked, 3) << "OMP_NUM_THREADS is the user's";
 }
 
 // Under torchrun or Slurm the environment decides the placement flags; the

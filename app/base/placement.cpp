@@ -1,5 +1,7 @@
 #include "app/base/placement.hpp"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
@@ -151,10 +153,15 @@ int64_t available_memory() {
   return available;
 }
 
+int usable_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));  // more CPUs than a cpu_set_t holds
+}
+
 int threads_per_worker(int local_workers, int omp_num_threads) {
   if (omp_num_threads > 0) return omp_num_threads;
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::max(1, cores / std::max(1, local_workers));
+  return std::max(1, usable_cores() / std::max(1, local_workers));
 }
 
 }  // namespace mnist_ddp

@@ -58,8 +58,12 @@ void check_workers_fit(const Options& opts, const Placement& p, int64_t bytes_pe
 // cgroup's limit when that is less.
 int64_t available_memory();
 
-// Intra-op threads for each of `local_workers` processes sharing this
-// machine's cores: `omp_num_threads` when positive ($OMP_NUM_THREADS), else
+// The cores this process may run on: its CPU affinity (taskset, a Slurm
+// or container cpuset), not every core of the machine; at least 1.
+int usable_cores();
+
+// Intra-op threads for each of `local_workers` processes sharing the
+// usable cores: `omp_num_threads` when positive ($OMP_NUM_THREADS), else
 // an equal share.
 int threads_per_worker(int local_workers, int omp_num_threads);
 

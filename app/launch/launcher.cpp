@@ -12,7 +12,6 @@
 #include <optional>
 #include <sstream>
 #include <system_error>
-#include <thread>
 
 #include "app/base/faults.hpp"
 #include "app/base/files.hpp"
@@ -73,7 +72,7 @@ class Launcher {
     // What a worker holds, measured: 63 MB of its own, and the data set.
     constexpr int64_t kWorkerBytes = 63 << 20;
     const int64_t data = workers_.ours ? kWorkerBytes + dataset_bytes(opts_.data_dir, opts_.dataset) : 0;
-    check_workers_fit(opts_, placement_, data, static_cast<int>(std::thread::hardware_concurrency()),
+    check_workers_fit(opts_, placement_, data, usable_cores(),
                       available_memory());
     // The nodes' secret, read where several nodes need it (and a bad file
     // refused before anything opens).
@@ -268,7 +267,7 @@ class Launcher {
       w.error_report_fd = supervisor_.report_fd();
       w.timeout_ms = static_cast<int>(timeout().count());  // a program's process group takes it (process_group.hpp)
       w.job = job_.token();
-      const auto env = worker_environment(w, env_.variables, static_cast<int>(std::thread::hardware_concurrency()),
+      const auto env = worker_environment(w, env_.variables, usable_cores(),
                                           launched);
       supervisor_.start(r, workers_.program, argv, env);
       if (Supervisor::Event event = supervisor_.wait(std::chrono::milliseconds(0)); event.signal || event.failure)
