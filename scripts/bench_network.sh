@@ -2,7 +2,9 @@
 # The network benchmark: what each hook gains on a link between two
 # machines, played on this one. Two network namespaces joined by a veth
 # pair, each end shaped by a token bucket (tc tbf: netem is not available
-# here), one node in each (--nproc 1, pinned to a core of its own), on
+# here), one node in each (--nproc 1, pinned to a core of its own, one
+# thread: OMP_NUM_THREADS=1, as builds before a66cb20 counted the
+# machine's cores, not the node's), on
 # Fashion-MNIST at batch 32, PowerSGD compressing from step 10. Prints one
 # table per rate, and the targets met or not.
 #
@@ -106,12 +108,12 @@ run() {
       local unchecked=() binary=./build/mnist_ddp
       [ "$who" = unchecked ] && unchecked=(--no-check-collectives)
       [ "$who" = against ] && binary="$against"
-      ip netns exec "$ns" taskset -c "$node" "$binary" --backend gloo --nnodes 2 --node-rank "$node" \
+      ip netns exec "$ns" env OMP_NUM_THREADS=1 taskset -c "$node" "$binary" --backend gloo --nnodes 2 --node-rank "$node" \
         --nproc 1 --master-addr 10.231.9.1 --master-port "$port" --dataset fashion-mnist --data-dir "$out/data" --epochs 1 \
         --max-steps "$n" --compression "$hook" --start-powersgd-iter 10 --checkpoint-every 0 --log-interval 1000 \
         --timeout 120 --path "$out/run/$node" "${unchecked[@]}" >"$out/run/$node.txt" 2>&1 &
     else
-      ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$dev" taskset -c "$node" "$python" scripts/python_ddp.py \
+      ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$dev" OMP_NUM_THREADS=1 taskset -c "$node" "$python" scripts/python_ddp.py \
         --steps "$n" --dataset fashion-mnist --compression "$hook" --nnodes 2 --node-rank "$node" --nproc 1 \
         --master-addr 10.231.9.1 --master-port "$port" >"$out/run/$node.txt" 2>&1 &
     fi
