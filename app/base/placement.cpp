@@ -161,7 +161,9 @@ int usable_cores() {
 
 int threads_per_worker(int local_workers, int omp_num_threads) {
   if (omp_num_threads > 0) return omp_num_threads;
-  return std::max(1, usable_cores() / std::max(1, local_workers));
+  // Its own cores where a launcher bound it (Slurm's or mpirun's binding), else its share of the machine's.
+  const int machine = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, std::min(usable_cores(), machine / std::max(1, local_workers)));
 }
 
 }  // namespace mnist_ddp

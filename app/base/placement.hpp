@@ -62,9 +62,12 @@ int64_t available_memory();
 // or container cpuset), not every core of the machine; at least 1.
 int usable_cores();
 
-// Intra-op threads for each of `local_workers` processes sharing the
-// usable cores: `omp_num_threads` when positive ($OMP_NUM_THREADS), else
-// an equal share.
+// Intra-op threads for a worker, one of `local_workers` on this machine,
+// where no launcher of ours set them: `omp_num_threads` when positive
+// ($OMP_NUM_THREADS), else its equal share of the machine's cores, at most
+// the cores it may run on (a launcher that binds each worker to its own
+// cores, or one whose workers share a cpuset, cannot be told apart here).
+// Our launcher gives its workers their share of its own usable cores.
 int threads_per_worker(int local_workers, int omp_num_threads);
 
 }  // namespace mnist_ddp
