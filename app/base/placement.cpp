@@ -40,6 +40,8 @@ std::string fmt_gib(int64_t bytes) {
   return text;
 }
 
+int machine_cores() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
 }  // namespace
 
 int count_visible_gpus(const std::optional<std::string>& cuda_visible_devices, int present) {
@@ -156,14 +158,13 @@ int64_t available_memory() {
 int usable_cores() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));  // more CPUs than a cpu_set_t holds
+  return machine_cores();  // more CPUs than a cpu_set_t holds
 }
 
 int threads_per_worker(int local_workers, int omp_num_threads) {
   if (omp_num_threads > 0) return omp_num_threads;
   // Its own cores where a launcher bound it (Slurm's or mpirun's binding), else its share of the machine's.
-  const int machine = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::max(1, std::min(usable_cores(), machine / std::max(1, local_workers)));
+  return std::max(1, std::min(usable_cores(), machine_cores() / std::max(1, local_workers)));
 }
 
 }  // namespace mnist_ddp

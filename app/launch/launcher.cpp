@@ -72,8 +72,7 @@ class Launcher {
     // What a worker holds, measured: 63 MB of its own, and the data set.
     constexpr int64_t kWorkerBytes = 63 << 20;
     const int64_t data = workers_.ours ? kWorkerBytes + dataset_bytes(opts_.data_dir, opts_.dataset) : 0;
-    check_workers_fit(opts_, placement_, data, usable_cores(),
-                      available_memory());
+    check_workers_fit(opts_, placement_, data, usable_cores(), available_memory());
     // The nodes' secret, read where several nodes need it (and a bad file
     // refused before anything opens).
     std::string secret;
@@ -267,8 +266,7 @@ class Launcher {
       w.error_report_fd = supervisor_.report_fd();
       w.timeout_ms = static_cast<int>(timeout().count());  // a program's process group takes it (process_group.hpp)
       w.job = job_.token();
-      const auto env = worker_environment(w, env_.variables, usable_cores(),
-                                          launched);
+      const auto env = worker_environment(w, env_.variables, usable_cores(), launched);
       supervisor_.start(r, workers_.program, argv, env);
       if (Supervisor::Event event = supervisor_.wait(std::chrono::milliseconds(0)); event.signal || event.failure)
         return event;
