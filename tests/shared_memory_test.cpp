@@ -1,5 +1,6 @@
 // Sums through shared memory: the exact math, every dtype a step sends,
-// tensors larger than a slot, and the ways a peer can fail.
+// tensors larger than a slot, and the ways a peer can fail; broadcasts and
+// barriers.
 #include <gtest/gtest.h>
 
 #include <dirent.h>
@@ -83,6 +84,13 @@ TEST(SharedMemory, SumsEveryDtypeInRankOrderAsTheExactMath) {
         torch::Tensor expected = values(0, 12, torch::kFloat32).view({3, 4}).select(1, 2).clone();
         for (int r = 1; r < world; ++r) expected += values(r, 12, torch::kFloat32).view({3, 4}).select(1, 2);
         EXPECT_TRUE(torch::equal(matrix.select(1, 2), expected));
+        // So is a broadcast's (Link::broadcast).
+        torch::Tensor from2 = values(group.rank(), 12, torch::kFloat32).view({3, 4});
+        torch::Tensor column1 = from2.select(1, 1);
+        bulk_stream(group)->broadcast(column1, 2);
+        EXPECT_TRUE(torch::equal(from2.select(1, 1), values(2, 12, torch::kFloat32).view({3, 4}).select(1, 1)));
+        const torch::Tensor mine = values(group.rank(), 12, torch::kFloat32).view({3, 4});
+        EXPECT_TRUE(torch::equal(from2.select(1, 0), mine.select(1, 0)));
       },
       torch::kCPU, Sums::shared_memory);
   EXPECT_EQ(segments_of_this_process(), 0) << "a segment was left in /dev/shm";
@@ -95,6 +103,46 @@ std::function<void()> store_barrier(c10d::Store& store, int world) {
     store.add("mapped", 1);
     while (store.add("mapped", 0) < world) std::this_thread::sleep_for(1ms);
   };
+}
+
+// Any bytes, NaNs' and negative zeros' among them, from any root, in
+// pieces where larger than a slot; and a barrier no rank leaves before the
+// last arrives. The ranks are threads of this process.
+TEST(SharedMemory, BroadcastsTheRootsBytesAndBarriersWaitForEveryRank) {
+  const int world = 3;
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto bits = [](int root, int64_t n) {
+    auto gen = at::detail::createCPUGenerator(7 + root);
+    auto t = torch::randint(std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max(), {n}, gen,
+                            torch::kInt64)
+                 .to(torch::kInt32);
+    if (n >= 2) {
+      t[0] = std::numeric_limits<int32_t>::min();  // float32's -0.0
+      t[1] = 0x7fc00123;                            // a NaN with a payload
+    }
+    return t;
+  };
+  std::atomic<int> arrived{0};
+  std::vector<std::string> failures(world);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < world; ++r)
+    ranks.emplace_back([&, r] {
+      SharedMemoryReducer reducer(*store, r, world, 60'000ms, store_barrier(*store, world));
+      for (const int64_t n : {int64_t{0}, int64_t{5}, int64_t{3'000'000}})
+        for (int root = 0; root < world; ++root) {
+          torch::Tensor t = r == root ? bits(root, n) : torch::zeros({n}, torch::kInt32);
+          reducer.broadcast(t, root);
+          if (!torch::equal(t, bits(root, n)))
+            failures[r] +=
+                std::to_string(n) + " from rank " + std::to_string(root) + " to rank " + std::to_string(r) + "; ";
+        }
+      std::this_thread::sleep_for(std::chrono::milliseconds(30 * r));
+      ++arrived;
+      reducer.barrier();
+      if (arrived.load() != world) failures[r] += "rank " + std::to_string(r) + " left the barrier early; ";
+    });
+  for (auto& t : ranks) t.join();
+  for (const auto& f : failures) EXPECT_EQ(f, "");
 }
 
 // What rank 0's sum throws while rank 1 stays away: "peer lost: <what>",

@@ -5,7 +5,9 @@
 
 #include <unistd.h>
 
+#include <condition_variable>
 #include <deque>
+#include <map>
 #include <sstream>
 
 #include "comm/runtime.hpp"

@@ -18,8 +18,8 @@
 //
 // Three layers, each wrapping the one below (as c10d's ProcessGroupWrapper
 // wraps a backend):
-// - a Link moves tensors: the group's collectives, the shared-memory sums
-//   and the ring, every wait watched by the group's watchdog (watch.hpp);
+// - a Link moves tensors: the group's collectives, shared memory's (sums,
+//   broadcasts, barriers) and the ring, every wait watched (watch.hpp);
 // - a Channel checks each collective before it goes over the Link
 //   (check.cpp, "Note on the check"), and is what a stream's tasks see;
 // - a CollectiveStream orders the tasks and runs them on its thread.
@@ -30,15 +30,12 @@
 
 #include <torch/torch.h>
 #include <ATen/core/ivalue.h>
-#include <torch/version.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -112,9 +109,8 @@ constexpr int kLinkPiecesInFlight = 2;
 constexpr int64_t kInline = 256;
 
 // The transfers of one lane, unchecked: the group's collectives (through
-// shared memory where every rank is on this host and the tensor on the
-// CPU), each watched by the group's watchdog while it is outstanding. Only
-// its lane's thread uses it.
+// shared memory where every rank is on this host and the tensor on the CPU),
+// each watched by the group's watchdog. Only its lane's thread uses it.
 class Link {
  public:
   // `watch` nullptr: a world of 1, or no watch.
@@ -168,6 +164,10 @@ class Link {
   void finish(const port::WorkPtr& work, bool whole = false);
   FuturePtr watched(const port::WorkPtr& work, bool checking);
   torch::Tensor movable(const torch::Tensor& tensor) const;
+  // Whether `tensor`'s collectives go through shared memory; `collective` run
+  // there, watched (in its check where `checking`): the verdict ends a stall.
+  bool through_shared_memory(const torch::Tensor& tensor) const;
+  void in_shared_memory(bool checking, const std::function<void(const std::function<void()>&)>& collective);
   // Reduce-scatter then allgather round the ring rank -> rank + 1, adding in
   // float32; blocking.
   void ring_allreduce_sum(torch::Tensor& tensor);

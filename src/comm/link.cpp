@@ -100,14 +100,9 @@ void Link::finish(const port::WorkPtr& work, bool whole) {
 
 FuturePtr Link::allreduce_sum(torch::Tensor tensor) {
   issue("allreduce", tensor);
-  if (shared_ && tensor.is_cpu() && !tensor.is_sparse()) {
+  if (through_shared_memory(tensor)) {
     torch::Tensor dense = tensor.contiguous();
-    std::shared_ptr<CollectiveWatch::Wait> wait = watch_ ? watch_->begin_wait(lane_, false) : nullptr;
-    LaneWaits waits(*lane_, false);
-    shared_->allreduce_sum(dense, [&] {
-      if (wait) CollectiveWatch::verdict(*wait);
-    });
-    if (wait) watch_->end_wait(wait);
+    in_shared_memory(false, [&](const std::function<void()>& stalled) { shared_->allreduce_sum(dense, stalled); });
     if (!dense.is_same(tensor)) tensor.copy_(dense);
     return completed_future(tensor);
   }
@@ -160,6 +155,12 @@ torch::Tensor Link::movable(const torch::Tensor& tensor) const {
 
 void Link::broadcast(torch::Tensor& tensor, int root) {
   issue("broadcast", tensor);
+  if (through_shared_memory(tensor)) {
+    torch::Tensor dense = tensor.contiguous();
+    in_shared_memory(false, [&](const std::function<void()>& stalled) { shared_->broadcast(dense, root, stalled); });
+    if (!dense.is_same(tensor)) tensor.copy_(dense);
+    return;
+  }
   std::vector<at::Tensor> tensors{movable(tensor)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
@@ -200,7 +201,7 @@ torch::Tensor Link::allgather(const torch::Tensor& tensor) {
 }
 
 void Link::reduce_scatter_sum(const torch::Tensor& output, const torch::Tensor& input) {
-  if (backend_.reduce_scatter && !(shared_ && input.is_cpu())) {
+  if (backend_.reduce_scatter && !through_shared_memory(input)) {
     torch::Tensor in = input.contiguous(), out = output.contiguous();
     issue("reduce_scatter", in);
     finish(group_->_reduce_scatter_base(out, in));
@@ -235,6 +236,10 @@ void Link::exchange(const torch::Tensor& out, int to, torch::Tensor& in, int fro
 
 void Link::barrier() {
   issue("barrier", torch::Tensor());
+  if (shared_) {
+    in_shared_memory(false, [&](const std::function<void()>& stalled) { shared_->barrier(stalled); });
+    return;
+  }
   finish(group_->barrier());
 }
 
@@ -248,9 +253,18 @@ void Link::sum_check(torch::Tensor& sums, const GroupPtr& over) {
     if (done->hasError()) std::rethrow_exception(explained(done->exception_ptr()));
     return;
   }
-  std::shared_ptr<CollectiveWatch::Wait> wait = watch_ ? watch_->begin_wait(lane_, true) : nullptr;
+  in_shared_memory(true, [&](const std::function<void()>& stalled) { shared_->allreduce_sum(sums, stalled); });
+}
+
+bool Link::through_shared_memory(const torch::Tensor& tensor) const {
+  return shared_ && tensor.is_cpu() && !tensor.is_sparse();
+}
+
+void Link::in_shared_memory(bool checking, const std::function<void(const std::function<void()>&)>& collective) {
+  std::shared_ptr<CollectiveWatch::Wait> wait = watch_ ? watch_->begin_wait(lane_, checking) : nullptr;
+  LaneWaits waits(*lane_, checking);
   try {
-    shared_->allreduce_sum(sums, [&] {
+    collective([&] {
       if (wait) CollectiveWatch::verdict(*wait);
     });
   } catch (const PeerLost&) {

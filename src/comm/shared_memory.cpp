@@ -272,4 +272,20 @@ void SharedMemoryReducer::allreduce_sum(at::Tensor& tensor, const std::function<
   }
 }
 
+// The root writes each piece into its slot; the others copy it out after
+// the piece's barrier.
+void SharedMemoryReducer::broadcast(at::Tensor& tensor, int root, const std::function<void()>& stalled) {
+  TORCH_CHECK(tensor.is_cpu() && tensor.is_contiguous(), "shared-memory broadcast: needs a contiguous CPU tensor");
+  TORCH_CHECK(root >= 0 && root < world_size_, "shared-memory broadcast: no rank ", root);
+  char* data = static_cast<char*>(tensor.data_ptr());
+  const size_t bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
+  for (size_t offset = 0; offset < bytes; offset += slot_bytes_) {
+    const size_t n = std::min(slot_bytes_, bytes - offset);
+    if (rank_ == root) std::memcpy(slot(set_, root), data + offset, n);
+    barrier(stalled);
+    if (rank_ != root) std::memcpy(data + offset, slot(set_, root), n);
+    set_ ^= 1;
+  }
+}
+
 }  // namespace mnist_ddp

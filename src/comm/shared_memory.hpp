@@ -53,9 +53,13 @@ class SharedMemoryReducer {
   // barrier waits for a peer, and may throw to end the wait; it then names
   // the timeout too (this call throws Timeout only without it).
   void allreduce_sum(at::Tensor& tensor, const std::function<void()>& stalled = nullptr);
+  // Replaces `tensor` (CPU, contiguous) with rank `root`'s, byte for byte;
+  // as allreduce_sum otherwise.
+  void broadcast(at::Tensor& tensor, int root, const std::function<void()>& stalled = nullptr);
+  // Returns once every rank has called it; as allreduce_sum otherwise.
+  void barrier(const std::function<void()>& stalled = nullptr);
 
  private:
-  void barrier(const std::function<void()>& stalled = nullptr);
   bool all_arrived(uint64_t barrier) const;
   void check_peers(uint64_t barrier, std::chrono::steady_clock::time_point deadline) const;
   char* slot(int set, int rank) const;
