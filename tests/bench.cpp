@@ -20,8 +20,9 @@
 //                                      SyncBatchNorm, and under our DDP with
 //                                      no communication (each rank's own
 //                                      gradients, no buffer broadcast);
-//                                      prints "floor F ddp D ddp_syncbn S
-//                                      ddp_local L" in ms/step
+//                                      prints "floor F floor_slower W ddp D
+//                                      ddp_syncbn S ddp_local L" in ms/step
+//                                      (W: the slower process alone)
 //   mnist_ddp_bench compute-limit [STEPS] [--plain | --cuda]
 //                                      one process on one core, no DDP, no
 //                                      communication: Net's training step at
@@ -206,46 +207,66 @@ int allreduce(int64_t numel, int rounds) {
   return ok ? 0 : 1;
 }
 
-// Milliseconds per step of examples/resnet's model on this rank, after 5
-// steps of warm-up, under our DDP (`ddp`; with SyncBatchNorm where `sync_bn`)
-// or alone. The ranks start the timed steps together.
-double resnet_ms_per_step(ProcessGroup& group, bool ddp, bool sync_bn, bool communicate, int steps) {
-  torch::manual_seed(0);
-  ResNet model;
-  if (sync_bn) convert_sync_batchnorm(model, group);
-  std::optional<DistributedDataParallel<ResNet>> wrapped;
-  if (ddp) wrapped.emplace(model, group, DdpOptions().broadcast_buffers(communicate));
-  if (ddp && !communicate) wrapped->register_comm_hook(std::make_shared<LocalHook>());
-  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-  torch::manual_seed(1 + group.rank());
-  const auto x = torch::randn({32, 1, 28, 28});
-  const auto y = torch::randint(0, 10, {32}, torch::kInt64);
-  auto step = [&] {
-    opt.zero_grad();
+// examples/resnet's model on this rank, trained alone (`ddp` false) or under
+// our DDP, with SyncBatchNorm where `sync_bn`, communicating nothing where
+// not `communicate` (each rank's own gradients, no buffer broadcast).
+struct ResNetTrainer {
+  ResNetTrainer(ProcessGroup& group, bool ddp, bool sync_bn, bool communicate) {
+    torch::manual_seed(0);
+    if (sync_bn) convert_sync_batchnorm(model, group);
+    if (ddp)
+      wrapped = std::make_unique<DistributedDataParallel<ResNet>>(model, group,
+                                                                  DdpOptions().broadcast_buffers(communicate));
+    if (ddp && !communicate) wrapped->register_comm_hook(std::make_shared<LocalHook>());
+    opt = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    torch::manual_seed(1 + group.rank());
+    x = torch::randn({32, 1, 28, 28});
+    y = torch::randint(0, 10, {32}, torch::kInt64);
+  }
+  void step() {
+    opt->zero_grad();
     const torch::Tensor out = wrapped ? wrapped->forward(x) : model->forward(x);
     torch::nn::functional::cross_entropy(out, y).backward();
-    opt.step();
-  };
-  for (int i = 0; i < 5; ++i) step();
-  bulk_stream(group)->barrier();
-  const auto start = Clock::now();
-  for (int i = 0; i < steps; ++i) step();
-  return std::chrono::duration<double, std::milli>(Clock::now() - start).count() / steps;
-}
+    opt->step();
+  }
+  ResNet model;
+  std::unique_ptr<DistributedDataParallel<ResNet>> wrapped;
+  std::unique_ptr<torch::optim::SGD> opt;
+  torch::Tensor x, y;
+};
 
+// The four ways take turns step by step in the same two processes, each
+// step timed on its own, so that the machine's speed, which drifts by tens
+// of percent from second to second on a shared host, moves them alike.
 int library(int steps) {
   const char* names[] = {"floor", "ddp", "ddp_syncbn", "ddp_local"};
-  for (int v = 0; v < 4; ++v) {
-    const bool ok = run_processes(2, [&](ProcessGroup& group) {
-      const double mine = resnet_ms_per_step(group, v > 0, v == 2, v != 3, steps);
-      auto both = torch::tensor({mine}, torch::kFloat64);
-      bulk_stream(group)->allreduce_sum(both);  // the mean of the two processes (alone, for the floor)
-      if (group.rank() == 0) std::printf("%s %.2f%s", names[v], both.item<double>() / 2, v == 3 ? "\n" : " ");
-      std::fflush(stdout);
-    });
-    if (!ok) return 1;
-  }
-  return 0;
+  const bool ok = run_processes(2, [&](ProcessGroup& group) {
+    std::vector<std::unique_ptr<ResNetTrainer>> ways;
+    for (int v = 0; v < 4; ++v) ways.push_back(std::make_unique<ResNetTrainer>(group, v > 0, v == 2, v != 3));
+    for (int i = 0; i < 5; ++i)
+      for (auto& way : ways) way->step();
+    auto ms = torch::zeros({2, 4}, torch::kFloat64);  // [rank][way], this rank's row
+    for (int i = 0; i < steps; ++i) {
+      for (int k = 0; k < 4; ++k) {
+        const int v = (i + k) % 4;  // the order rotates: each way takes each place in a round alike
+        bulk_stream(group)->barrier();  // the two processes start the step together
+        const auto start = Clock::now();
+        ways[v]->step();
+        ms[group.rank()][v] += std::chrono::duration<double, std::milli>(Clock::now() - start).count() / steps;
+      }
+    }
+    bulk_stream(group)->allreduce_sum(ms);
+    if (group.rank() != 0) return;
+    // A DDP's ranks meet every step, so it runs no faster than the slower of
+    // its processes: where the two cores differ, the floor (their mean) is out
+    // of its reach.
+    const torch::Tensor alone = ms.select(1, 0);
+    std::printf("floor %.2f floor_slower %.2f", alone.mean().item<double>(), alone.max().item<double>());
+    for (int v = 1; v < 4; ++v) std::printf(" %s %.2f", names[v], ms.select(1, v).mean().item<double>());
+    std::printf("\n");
+    std::fflush(stdout);
+  });
+  return ok ? 0 : 1;
 }
 
 void synchronize(const torch::Device& device) {
