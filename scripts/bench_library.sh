@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The library on a model that is not Net: examples/resnet_model.hpp's ResNet
-# (Fashion-MNIST-shaped, batch 32 a process, one core a process), four
+# (Fashion-MNIST-shaped, batch 32 a process, one core a process), five
 # ways taking turns step by step in one run (the machine's drift moves them
 # alike), --rounds runs, medians:
-#   - the floor: two processes at once, each training alone (no DDP), the
-#     mean of the two, and the slower of the two: a DDP's ranks meet every
-#     step, so where the two cores differ in speed it cannot beat the slower;
+#   - the floor: two processes at once, each training alone (no DDP); and
+#     the same two meeting at a barrier after each step, the floor of any
+#     DDP, whose ranks meet every step: each step waits for the slower rank;
 #   - our DDP on 2 ranks (mnist_ddp_bench library), with BatchNorm and with
 #     SyncBatchNorm, and with nothing communicated (each rank's own
 #     gradients, no buffer broadcast): DDP's own bookkeeping;
@@ -63,21 +63,21 @@ if os.path.exists(os.path.join(out, "python")):
         n, seconds = line.split()
         rows.setdefault("python_ddp", []).append(1000 * float(seconds) / int(n))
 floor = statistics.median(rows["floor"])
-slower = statistics.median(rows["floor_slower"])
+met = statistics.median(rows["floor_met"])
 labels = {"floor": "the floor: 2 processes at once, each alone",
-          "floor_slower": "the slower of those 2 processes",
+          "floor_met": "the same, meeting after each step",
           "ddp": "our DDP, 2 ranks, BatchNorm",
           "ddp_syncbn": "our DDP, 2 ranks, SyncBatchNorm",
           "ddp_local": "our DDP, 2 ranks, nothing communicated",
           "python_ddp": "PyTorch's Python DDP, 2 ranks, BatchNorm"}
 print(f"examples/resnet's model, batch 32 a process, 1 core a process; medians of {rounds} interleaved "
       f"round(s) of {steps} steps\n")
-print("| run | ms/step | x the floor | x the slower |" + (f" {against} ms/step | change |" if against else "")
+print("| run | ms/step | x the floor | x met |" + (f" {against} ms/step | change |" if against else "")
       + "\n|---|---:|---:|---:|" + ("---:|---:|" if against else ""))
-for name in ["floor", "floor_slower", "ddp_local", "ddp", "ddp_syncbn", "python_ddp"]:
+for name in ["floor", "floor_met", "ddp_local", "ddp", "ddp_syncbn", "python_ddp"]:
     if name in rows:
         ms = statistics.median(rows[name])
-        line = f"| {labels[name]} | {ms:.1f} | {ms / floor:.2f} | {ms / slower:.2f} |"
+        line = f"| {labels[name]} | {ms:.1f} | {ms / floor:.2f} | {ms / met:.2f} |"
         if against and "against_" + name in rows:
             before = statistics.median(rows["against_" + name])
             line += f" {before:.1f} | {100 * (ms / before - 1):+.1f}% |"

@@ -20,9 +20,10 @@
 //                                      SyncBatchNorm, and under our DDP with
 //                                      no communication (each rank's own
 //                                      gradients, no buffer broadcast);
-//                                      prints "floor F floor_slower W ddp D
+//                                      prints "floor F floor_met M ddp D
 //                                      ddp_syncbn S ddp_local L" in ms/step
-//                                      (W: the slower process alone)
+//                                      (M: alone, but meeting at a barrier
+//                                      after each step)
 //   mnist_ddp_bench compute-limit [STEPS] [--plain | --cuda]
 //                                      one process on one core, no DDP, no
 //                                      communication: Net's training step at
@@ -207,11 +208,13 @@ int allreduce(int64_t numel, int rounds) {
   return ok ? 0 : 1;
 }
 
-// examples/resnet's model on this rank, trained alone (`ddp` false) or under
-// our DDP, with SyncBatchNorm where `sync_bn`, communicating nothing where
-// not `communicate` (each rank's own gradients, no buffer broadcast).
+// examples/resnet's model on this rank, trained alone (`ddp` false; where
+// `communicate`, the ranks meet at a barrier after each step) or under our
+// DDP, with SyncBatchNorm where `sync_bn`, communicating nothing where not
+// `communicate` (each rank's own gradients, no buffer broadcast).
 struct ResNetTrainer {
-  ResNetTrainer(ProcessGroup& group, bool ddp, bool sync_bn, bool communicate) {
+  ResNetTrainer(ProcessGroup& group, bool ddp, bool sync_bn, bool communicate)
+      : stream(bulk_stream(group)), meet(!ddp && communicate) {
     torch::manual_seed(0);
     if (sync_bn) convert_sync_batchnorm(model, group);
     if (ddp)
@@ -228,41 +231,48 @@ struct ResNetTrainer {
     const torch::Tensor out = wrapped ? wrapped->forward(x) : model->forward(x);
     torch::nn::functional::cross_entropy(out, y).backward();
     opt->step();
+    if (meet) stream->barrier();
   }
+  std::shared_ptr<CollectiveStream> stream;
+  bool meet;
   ResNet model;
   std::unique_ptr<DistributedDataParallel<ResNet>> wrapped;
   std::unique_ptr<torch::optim::SGD> opt;
   torch::Tensor x, y;
 };
 
-// The four ways take turns step by step in the same two processes, each
+// The five ways take turns step by step in the same two processes, each
 // step timed on its own, so that the machine's speed, which drifts by tens
 // of percent from second to second on a shared host, moves them alike.
 int library(int steps) {
-  const char* names[] = {"floor", "ddp", "ddp_syncbn", "ddp_local"};
+  struct Way {
+    const char* name;
+    bool ddp, sync_bn, communicate;
+  };
+  const std::vector<Way> ways = {{"floor", false, false, false},     {"floor_met", false, false, true},
+                                 {"ddp", true, false, true},         {"ddp_syncbn", true, true, true},
+                                 {"ddp_local", true, false, false}};
+  const int n = static_cast<int>(ways.size());
   const bool ok = run_processes(2, [&](ProcessGroup& group) {
-    std::vector<std::unique_ptr<ResNetTrainer>> ways;
-    for (int v = 0; v < 4; ++v) ways.push_back(std::make_unique<ResNetTrainer>(group, v > 0, v == 2, v != 3));
+    std::vector<std::unique_ptr<ResNetTrainer>> trainers;
+    for (const Way& w : ways)
+      trainers.push_back(std::make_unique<ResNetTrainer>(group, w.ddp, w.sync_bn, w.communicate));
     for (int i = 0; i < 5; ++i)
-      for (auto& way : ways) way->step();
-    auto ms = torch::zeros({2, 4}, torch::kFloat64);  // [rank][way], this rank's row
+      for (auto& trainer : trainers) trainer->step();
+    auto ms = torch::zeros({2, n}, torch::kFloat64);  // [rank][way], this rank's row
     for (int i = 0; i < steps; ++i) {
-      for (int k = 0; k < 4; ++k) {
-        const int v = (i + k) % 4;  // the order rotates: each way takes each place in a round alike
+      for (int k = 0; k < n; ++k) {
+        const int v = (i + k) % n;  // the order rotates: each way takes each place in a round alike
         bulk_stream(group)->barrier();  // the two processes start the step together
         const auto start = Clock::now();
-        ways[v]->step();
+        trainers[v]->step();
         ms[group.rank()][v] += std::chrono::duration<double, std::milli>(Clock::now() - start).count() / steps;
       }
     }
     bulk_stream(group)->allreduce_sum(ms);
     if (group.rank() != 0) return;
-    // A DDP's ranks meet every step, so it runs no faster than the slower of
-    // its processes: where the two cores differ, the floor (their mean) is out
-    // of its reach.
-    const torch::Tensor alone = ms.select(1, 0);
-    std::printf("floor %.2f floor_slower %.2f", alone.mean().item<double>(), alone.max().item<double>());
-    for (int v = 1; v < 4; ++v) std::printf(" %s %.2f", names[v], ms.select(1, v).mean().item<double>());
+    for (int v = 0; v < n; ++v)
+      std::printf("%s%s %.2f", v ? " " : "", ways[v].name, ms.select(1, v).mean().item<double>());
     std::printf("\n");
     std::fflush(stdout);
   });
