@@ -31,6 +31,13 @@
 //                                      process set-up (LibTorch's defaults),
 //                                      --cuda runs on the first GPU.
 //                                      Prints "images/s ms/step forward backward optimizer".
+//   mnist_ddp_bench check-cost RANK ADDR PORT MINE HOOK STEPS
+//                                      rank RANK of 2 (rank 0 hosts the store
+//                                      at ADDR:PORT; Gloo listens at MINE):
+//                                      Net under DDP and HOOK on a checked and
+//                                      an unchecked group, step by step in
+//                                      turn; prints "checked C unchecked U"
+//                                      in ms/step (scripts/bench_check.sh)
 //   mnist_ddp_bench store WORLD [SECONDS]  the collective check's load on the
 //                                      store: WORLD ranks as threads of one
 //                                      process (shared memory), every store
@@ -43,6 +50,7 @@
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -57,9 +65,11 @@
 #include "mnist_ddp/parallel/distributed.hpp"
 #include "mnist_ddp/comm/process_group.hpp"
 #include "app/base/files.hpp"
+#include "app/base/options.hpp"
 #include "app/train/model.hpp"
 #include "base/port.hpp"
 #include "comm/group.hpp"
+#include "comm/store.hpp"
 #include "mnist_ddp/parallel/sync_batch_norm.hpp"
 #include "base/environment.hpp"
 #include "app/base/placement.hpp"
@@ -279,6 +289,57 @@ int library(int steps) {
   return ok ? 0 : 1;
 }
 
+// The check's own cost between hosts: this process is rank `rank` of 2
+// (rank 0 hosts the store at `addr`:`port`; Gloo listens at `mine`). Net
+// with SyncBatchNorm under our DDP and `hook`, as mnist_ddp trains it
+// (PowerSGD from step 10), twice over: on a group that checks every
+// collective and on one that does not, taking turns step by step so that
+// the machine's and the link's drift move both alike. Rank 0 prints
+// "checked C unchecked U" in ms/step.
+int check_cost(int rank, const std::string& addr, int port, const std::string& mine, const std::string& hook,
+               int steps) {
+  configure_worker_process(1);
+  const auto timeout = std::chrono::milliseconds(120'000);
+  auto store = open_store(addr, port, rank == 0, timeout);
+  struct Trainer {
+    Trainer(ProcessGroup g, const std::string& hook) : group(std::move(g)) {
+      torch::manual_seed(0);
+      convert_sync_batchnorm(net, group);
+      ddp = std::make_unique<DistributedDataParallel<Net>>(net, group, DdpOptions().broadcast_buffers(false));
+      ddp->register_comm_hook(make_comm_hook(hook, hooks::PowerSgdOptions().start_powersgd_iter(10)));
+      opt = std::make_unique<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    }
+    ProcessGroup group;
+    Net net;
+    std::unique_ptr<DistributedDataParallel<Net>> ddp;
+    std::unique_ptr<torch::optim::SGD> opt;
+  };
+  std::vector<std::unique_ptr<Trainer>> ways;
+  for (const bool check : {true, false}) {
+    StorePtr prefixed = c10::make_intrusive<c10d::PrefixStore>(check ? "checked" : "unchecked", store);
+    ways.push_back(std::make_unique<Trainer>(
+        make_process_group(prefixed, rank, 2, "gloo", torch::kCPU, timeout, false, mine,
+                           check ? std::nullopt : std::optional<Check>(Check::off)),
+        hook));
+  }
+  torch::manual_seed(1 + rank);
+  const auto x = torch::randn({32, 1, 28, 28});
+  const auto y = torch::randint(0, 10, {32}, torch::kInt64);
+  double ms[2] = {0, 0};
+  for (int i = 0; i < steps + 20; ++i)
+    for (int k = 0; k < 2; ++k) {
+      Trainer& t = *ways[(i + k) % 2];
+      const auto start = Clock::now();
+      t.opt->zero_grad();
+      torch::nll_loss(t.ddp->forward(x), y).backward();
+      t.opt->step();
+      if (i >= 20) ms[(i + k) % 2] += std::chrono::duration<double, std::milli>(Clock::now() - start).count() / steps;
+    }
+  if (rank == 0) std::printf("checked %.2f unchecked %.2f\n", ms[0], ms[1]);
+  bulk_stream(ways[0]->group)->barrier();
+  return 0;
+}
+
 void synchronize(const torch::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
@@ -404,8 +465,11 @@ int main(int argc, char** argv) {
   if (what == "library") return mnist_ddp::library(argc > 2 ? std::stoi(argv[2]) : 100);
   if (what == "compute-limit")
     return mnist_ddp::compute_limit(argc > 2 ? std::stoi(argv[2]) : 100, argc > 3 ? argv[3] : "");
+  if (what == "check-cost" && argc > 7)
+    return mnist_ddp::check_cost(std::stoi(argv[2]), argv[3], std::stoi(argv[4]), argv[5], argv[6], std::stoi(argv[7]));
   if (what == "store" && argc > 2) return mnist_ddp::store_load(std::stoi(argv[2]), argc > 3 ? std::stoi(argv[3]) : 10);
   std::cerr << "usage: mnist_ddp_bench sync-bn [STEPS] | breakdown [STEPS] | allreduce NUMEL ROUNDS | "
-               "library [STEPS] | compute-limit [STEPS] [--plain | --cuda] | store WORLD [SECONDS]\n";
+               "library [STEPS] | compute-limit [STEPS] [--plain | --cuda] | store WORLD [SECONDS] | "
+               "check-cost RANK ADDR PORT MINE HOOK STEPS\n";
   return 2;
 }
