@@ -32,37 +32,27 @@ done
 [ "${#rates[@]}" -gt 0 ] || rates=(1gbit)
 IFS=, read -r -a hooks <<<"$hooks_list"
 for hook in "${hooks[@]}"; do
-  case "$hook" in none | fp16 | powersgd | powersgd_fp16 | batched_powersgd_fp16) ;; *) echo "bench_check: --hooks: no hook '$hook'" >&2; exit 2 ;; esac
+  [[ " none fp16 powersgd powersgd_fp16 batched_powersgd_fp16 " == *" $hook "* ]] ||
+    { echo "bench_check: --hooks: no hook '$hook'" >&2; exit 2; }
 done
 
 say() { echo "bench_check: $*" >&2; }
-[ "$(id -u)" -eq 0 ] || { say "network namespaces need root; nothing measured"; exit 0; }
-for tool in ip tc taskset; do
-  command -v "$tool" >/dev/null || { say "no '$tool' command (iproute2, util-linux); nothing measured"; exit 0; }
-done
+source scripts/netns.sh
+netns_usable bench_check || exit 0
 bash scripts/install_deps.sh test >/dev/null
 bash scripts/build.sh --target mnist_ddp_bench >/dev/null
 bench="$PWD/build/tests/mnist_ddp_bench"
 
 out="$(mktemp -d)"
-source scripts/netns.sh
 trap 'netns_remove; rm -rf "$out"' EXIT
 trap 'exit 130' INT TERM
 if ! netns_make "$out"; then
   say "could not make network namespaces ($(head -n 1 "$out/netns.txt")); nothing measured"
   exit 0
 fi
-shape() {  # shape RATE: both ends of the veth; none: unshaped
-  local ns_dev ns dev
-  for ns_dev in "$ns_a:$dev_a" "$ns_b:$dev_b"; do
-    ns="${ns_dev%%:*}" dev="${ns_dev#*:}"
-    tc -n "$ns" qdisc del dev "$dev" root 2>/dev/null || true
-    [ "$1" = none ] || tc -n "$ns" qdisc add dev "$dev" root tbf rate "$1" burst 256kb latency 200ms
-  done
-}
 port=29650
 for rate in none "${rates[@]}"; do
-  shape "$rate"
+  netns_shape "$rate"
   for round in $(seq 1 "$rounds"); do
     for hook in "${hooks[@]}"; do
       port=$((port + 1))

@@ -55,10 +55,8 @@ if [ -n "$only" ]; then
 fi
 
 say() { echo "bench_network: $*" >&2; }
-[ "$(id -u)" -eq 0 ] || { say "network namespaces need root; nothing measured"; exit 0; }
-for tool in ip tc taskset; do
-  command -v "$tool" >/dev/null || { say "no '$tool' command (iproute2, util-linux); nothing measured"; exit 0; }
-done
+source scripts/netns.sh
+netns_usable bench_network || exit 0
 [ "$(nproc)" -ge 2 ] || say "one core only: both nodes share it, and the figures say little"
 
 bash scripts/install_deps.sh test >/dev/null
@@ -74,7 +72,6 @@ out="$(mktemp -d)"
 # Every figure is of the training steps: the test pass after them runs on
 # 1,000 of the test images, not 10,000 (a tenth of each run's time).
 bash scripts/fetch_data.sh fashion-mnist "$out/data" 1000 >/dev/null
-source scripts/netns.sh
 a="$ns_a" b="$ns_b" va="$dev_a" vb="$dev_b"
 trap 'netns_remove; rm -rf "$out"' EXIT
 trap 'exit 130' INT TERM
@@ -83,14 +80,6 @@ if ! netns_make "$out"; then
   exit 0
 fi
 
-shape() {  # shape RATE|none
-  local ns_dev ns dev
-  for ns_dev in "$a:$va" "$b:$vb"; do
-    ns="${ns_dev%%:*}" dev="${ns_dev#*:}"
-    tc -n "$ns" qdisc del dev "$dev" root 2>/dev/null || true
-    [ "$1" = none ] || tc -n "$ns" qdisc add dev "$dev" root tbf rate "$1" burst 256kb latency 200ms
-  done
-}
 sent() { ip netns exec "$a" cat "/sys/class/net/$va/statistics/tx_bytes"; }
 
 port=29600
@@ -136,7 +125,7 @@ run() {
 results="$out/results.txt"
 for round in $(seq 1 "$rounds"); do
   for rate in none "${rates[@]}"; do
-    shape "$rate"
+    netns_shape "$rate"
     for who in ours unchecked against python; do
       [ "$who" = python ] && [ -z "$python" ] && continue
       [ "$who" = against ] && [ -z "$against" ] && continue
