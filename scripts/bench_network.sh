@@ -22,7 +22,8 @@
 # one of --steps / 5, over the steps between them. Every hook runs on the
 # shaped link and on the same link unshaped (the compute floor), none and
 # powersgd_fp16 also with --no-check-collectives (the collective check's
-# cost; scripts/bench_check.sh measures it paired, step by step), and, where python3 has torch, PyTorch's Python DDP beside ours
+# cost; scripts/bench_check.sh measures it paired, step by step), and,
+# where python3 has torch, PyTorch's Python DDP beside ours
 # (scripts/python_ddp.py: plain BatchNorm, Gloo, the hooks it can run on
 # the CPU: none and fp16).
 # --rounds repeats everything in turn and takes medians. The namespaces and
