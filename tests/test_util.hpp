@@ -426,14 +426,25 @@ inline std::string shell(const std::string& command, int* status = nullptr) {
   return out;
 }
 
+// A file of /proc/PID/, "" where the process has gone meanwhile (a read of
+// an ended process's file fails with ESRCH, which newer libstdc++ streams
+// throw on).
+inline std::string read_proc(const std::string& pid, const char* file) {
+  const int fd = open(("/proc/" + pid + "/" + file).c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "";
+  std::string out;
+  char buf[4096];
+  for (ssize_t got; (got = read(fd, buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(got));
+  close(fd);
+  return out;
+}
+
 // The direct children of `pid`.
 inline std::vector<pid_t> children_of(pid_t pid) {
   std::vector<pid_t> out;
   for (const auto& name : files::list_directory("/proc")) {
     if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat("/proc/" + name + "/stat");
-    std::string line;
-    std::getline(stat, line);
+    const std::string line = read_proc(name, "stat");
     const auto close = line.rfind(')');
     if (close == std::string::npos) continue;
     std::istringstream rest(line.substr(close + 2));
@@ -458,8 +469,7 @@ inline std::vector<pid_t> processes_mentioning(const std::string& piece) {
   std::vector<pid_t> out;
   for (const auto& name : files::list_directory("/proc")) {
     if (name.find_first_not_of("0123456789") != std::string::npos || std::stoi(name) == getpid()) continue;
-    std::ifstream in("/proc/" + name + "/cmdline", std::ios::binary);
-    std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::string cmdline = read_proc(name, "cmdline");
     std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
     if (cmdline.find(piece) != std::string::npos) out.push_back(std::stoi(name));
   }
