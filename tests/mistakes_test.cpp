@@ -162,6 +162,16 @@ void run_case(const std::string& name) {
     });
     ddp.check_replicas("after training");
     say(group, "trained and joined, replicas identical");
+  } else if (name == "joined-one-rank") {  // the same, with join() on the short rank only
+    Small model = small_model();
+    DistributedDataParallel<Small> ddp(model, group);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    auto loop = [&] {
+      for (int k = 0; k < (rank == 1 ? 2 : 3); ++k) step(ddp, opt, rank, k);
+    };
+    if (rank == 1) ddp.join(loop);
+    else loop();
+    ddp.check_replicas("after training");
   } else if (name == "hook-after-backward") {  // rank 0 registers a hook after the first backward
     Small model = small_model();
     DistributedDataParallel<Small> ddp(model, group);
@@ -329,6 +339,11 @@ TEST(Mistakes, UnevenInputsAreNamedWithJoinAsTheAdviceAndJoinEndsThemWell) {
                               "different numbers of steps (uneven inputs): give every rank as many batches, or wrap "
                               "each rank's training loop in ddp.join()"},
                              "uneven");
+  expect_named_on_every_rank(run_mistake("joined-one-rank"),
+                             {"rank 1 is in ddp.join(): the count of the ranks with data (allreduce, 2 float64): "
+                              "every rank must call ddp.join() around its training loop, on the same "
+                              "DistributedDataParallel"},
+                             "joined-one-rank");
   const Ran joined = run_mistake("uneven-joined");
   EXPECT_EQ(joined.code, 0) << joined.output;
   EXPECT_EQ(test::count_of(joined.output, "trained and joined, replicas identical"), 2u) << joined.output;

@@ -76,6 +76,9 @@ std::string library_advice(const std::vector<Whereabouts>& where) {
              "every rank as many batches, or wrap each rank's training loop in ddp.join()";
     return kUnevenAdvice;
   }
+  // A step's count of the ranks with data where another rank trains on: join() around some ranks' loops only.
+  if (any(kind(kJoinVote)) && !all(kind(kJoinVote)))
+    return "every rank must call ddp.join() around its training loop, on the same DistributedDataParallel";
   if (any(kind(kSyncBnForward))) return kSyncBnAdvice;
   if (all([](const Whereabouts& w) { return !w.ended && (w.issuer.kind == kBucket || w.issuer.kind == kHookAgreement); }))
     return "every rank must build the same model and register the same communication hook";
