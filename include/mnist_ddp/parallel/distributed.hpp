@@ -156,8 +156,8 @@ class DistributedDataParallelBase {
 
   // Uneven inputs, as PyTorch's Join context for DDP: runs `loop` (this
   // rank's training loop, its ddp.forward()s and backwards). Once it
-  // returns, this rank serves the others' collectives, on every stream of
-  // the group, with zeros, until every rank's loop has returned: a rank
+  // returns, this rank serves the others' collectives, on this DDP's own
+  // streams, with zeros, until every rank's loop has returned: a rank
   // whose data ran out counts as zero gradients in the others' averages
   // (see JoinOptions for the divisor), their buffer broadcasts come from
   // the highest rank still active once rank 0 has joined, and their
