@@ -71,16 +71,14 @@ std::string ranks_named(const torch::Tensor& with_data) {
 class JoinRun {
  public:
   JoinRun(Reducer& ddp, const JoinOptions& options) : ddp_(ddp), options_(options) {
-    ddp_.vote = [this] { vote(); };
+    ddp_.join_with([this] { return vote(); });
   }
-  ~JoinRun() {
-    ddp_.vote = nullptr;
-    ddp_.scale = 1;
-  }
+  ~JoinRun() { ddp_.join_with(nullptr); }
   JoinRun(const JoinRun&) = delete;
   JoinRun& operator=(const JoinRun&) = delete;
 
-  void vote();
+  // A step's count of the ranks with data; the scale of its averages.
+  double vote();
   // This rank's loop has ended: serves the others until every rank has
   // joined; returns the rank that joined last.
   int serve();
@@ -100,7 +98,7 @@ class JoinRun {
   int64_t steps_ = 0;  // votes this rank cast with data
 };
 
-void JoinRun::vote() {
+double JoinRun::vote() {
   const ProcessGroup& group = ddp_.process_group();
   auto mine = torch::zeros({group.world_size()}, torch::kFloat64);
   mine[group.rank()] = 1;
@@ -116,11 +114,11 @@ void JoinRun::vote() {
   const torch::Tensor with_data = *with;
   const double active = with_data.sum().item<double>();
   ++steps_;
-  ddp_.scale = options_.divide_by_initial_world_size() ? 1.0 : group.world_size() / active;
   if (active < group.world_size() && options_.throw_on_early_termination()) {
     end_bulk_serving();
     stop_everyone(with_data);
   }
+  return options_.divide_by_initial_world_size() ? 1.0 : group.world_size() / active;
 }
 
 void JoinRun::end_bulk_serving() {
@@ -267,6 +265,11 @@ void Reducer::adopt(const torch::Tensor& learned) {
   std::lock_guard<std::mutex> lock(mutex_);
   iteration_->adopt(std::move(expected), std::move(order), learned[1].item<int64_t>() != 0);
   if (layout != layout_->order()) make_buckets(layout);
+}
+
+void Reducer::join_with(std::function<double()> counting) {
+  counting_ = std::move(counting);
+  scale_ = 1;
 }
 
 }  // namespace mnist_ddp

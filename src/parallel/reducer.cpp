@@ -276,7 +276,7 @@ void Reducer::prepare_forward() {
   if (!torch::GradMode::is_enabled()) return;
   finish_open_iteration();
   if (!hook_layout_known_) follow_hook_layout();
-  if (vote) vote();
+  if (counting_) scale_ = counting_();
   if (iteration_->rebuild_due()) rebuild_buckets();
   if (no_sync_depth_ == 0 && options_.broadcast_buffers())
     broadcast_from_authority(*quick_, buffers_, issuer(kBuffers, "DistributedDataParallel's buffers before a forward"));
@@ -396,7 +396,7 @@ void Reducer::complete_iteration(std::unique_lock<std::mutex>& lock) {
   std::map<size_t, torch::Tensor> kept;
   kept.swap(kept_);
   lock.unlock();
-  averager_->take(scale, static_cast<double>(group_.world_size()) / scale);
+  averager_->take(scale_, static_cast<double>(group_.world_size()) / scale_);
   if (used_by->defined()) restore_unused(kept, *used_by);
 }
 

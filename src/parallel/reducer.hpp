@@ -113,12 +113,11 @@ class Reducer : public std::enable_shared_from_this<Reducer>, private Iteration:
   // everyone's after join() (`adopt`).
   torch::Tensor learned() const;
   void adopt(const torch::Tensor& learned);
-  // While join() runs its loop: every forward with gradients first counts
-  // the ranks with data (join.cpp), which it is told through `vote`.
-  std::function<void()> vote;
-  // How this iteration's averages are scaled: world size over the ranks
-  // with data (ddp.join() with divide_by_initial_world_size off), else 1.
-  double scale = 1;
+  // While join() runs its loop (`counting`, null once it returns): every
+  // forward with gradients first counts the ranks with data (join.cpp),
+  // which says how that iteration's averages are scaled: the world size
+  // over the ranks with data (divide_by_initial_world_size off), else 1.
+  void join_with(std::function<double()> counting);
 
  private:
   Reducer(std::shared_ptr<torch::nn::Module> module, ProcessGroup group, DdpOptions options);
@@ -168,6 +167,8 @@ class Reducer : public std::enable_shared_from_this<Reducer>, private Iteration:
   DdpNames naming_;  // which DDP of its group (model_group(): a later one has streams of its own)
   bool registered_ = false;  // as the one DDP of its module
   bool hook_registered_ = false;
+  std::function<double()> counting_;  // join_with()
+  double scale_ = 1;                   // this iteration's averages: times scale_, over the world size
   bool hook_layout_known_ = false;  // follow_hook_layout() has compared the hook's buckets with ours
   std::vector<AveragedParam> params_;  // registration order, without duplicates, frozen or ignored ones
   std::vector<std::string> names_;     // params_' names
