@@ -50,8 +50,9 @@ std::optional<LaneView> lane_view(const std::string& text, std::string& name) {
 
 std::string said_of(const RankView& view, bool written, const std::string& lane) {
   std::vector<std::string> waits;
-  for (const auto& [name, v] : view.lanes)
-    if (v.waiting || v.in_flight > 0) waits.push_back(v.what);
+  for (const auto& [name, v] : view.lanes)  // said once where two lanes wait in the same (ddp.join()'s serving)
+    if ((v.waiting || v.in_flight > 0) && std::find(waits.begin(), waits.end(), v.what) == waits.end())
+      waits.push_back(v.what);
   if (!waits.empty()) {
     std::string out = "waits in " + waits[0];
     for (size_t i = 1; i < waits.size(); ++i) out += " and in " + waits[i];
