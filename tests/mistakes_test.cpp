@@ -233,6 +233,11 @@ void run_case(const std::string& name) {
     for (int k = 0; k < 2; ++k) gan.step(rank, k);
     if (rank == 0) gan.sample();
     gan.d_ddp.check_replicas("after training");
+  } else if (name == "gan-joined-generator") {  // join() around the generator's DDP only; rank 1 one step short
+    Gan gan(group);
+    gan.g_ddp.join([&] {
+      for (int k = 0; k < (rank == 1 ? 1 : 2); ++k) gan.step(rank, k);
+    });
   } else if (name == "uneven-two-lanes") {  // no buffers, no SyncBatchNorm: rank 1 one step short, then a replica check
     auto model = torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
     DistributedDataParallel ddp(model, group);
@@ -367,6 +372,13 @@ TEST(Mistakes, RanksDeadlockedOnTwoStreamsAreNamedWithTheCauseWithinSeconds) {
                               "rank 1 waits in the second DistributedDataParallel's buffers before a forward",
                               "each on another stream, so none can go on: " + syncbn},
                              "gan", 20);
+  // join() serves its own DDP's streams only: the discriminator's wait is named, the join named once.
+  expect_named_on_every_rank(run_mistake("gan-joined-generator", 300),
+                             {"rank 0 waits in the second DistributedDataParallel's buffers before a forward",
+                              "rank 1 waits in the first DistributedDataParallel's ddp.join(): its data ran out, each "
+                              "on another stream, so none can go on",
+                              "a rank whose data ran out serves only the DistributedDataParallel it joined"},
+                             "gan-joined-generator", 20);
   const Ran at_end = run_mistake("gan-sample-at-end", 300);
   expect_named_on_every_rank(at_end,
                              {"rank 0 waits in SyncBatchNorm 1's forward without autograd", 
